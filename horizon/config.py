@@ -1,0 +1,227 @@
+"""ModelConfig: the one configuration dataclass for every Horizon model.
+
+A config fixes the architecture (DESIGN.md section 1): the layer schedule of Kimi Delta Attention
+(KDA) and Gated DSA layers, their dimensions, the Mixture-of-Experts sizes, the vocabulary and the
+context window. It round-trips through an HF-style ``config.json`` (``model_type: "horizon"``) and
+rejects invalid values with a ``ValueError`` that names the field, the value and what is allowed.
+
+    cfg = ModelConfig.preset("tiny")
+    cfg.save("ckpt/config.json"); ModelConfig.load("ckpt/config.json") == cfg
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import torch
+
+LAYER_TYPES = ("kda", "dsa")
+DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
+MLA_ROPE = ("none", "interleaved", "half")
+# Keys other tools put in config.json that carry no architecture; accepted and ignored on load.
+_METADATA_KEYS = {"model_type", "architectures", "transformers_version", "torch_dtype", "horizon_version"}
+
+
+def default_layer_types(num_layers: int, dsa_every: int = 4) -> list[str]:
+    """Every `dsa_every`-th layer (1-based: 4, 8, ...) and the last layer are Gated DSA, the rest KDA."""
+    return ["dsa" if (i + 1) % dsa_every == 0 or i == num_layers - 1 else "kda" for i in range(num_layers)]
+
+
+@dataclass
+class ModelConfig:
+    # --- stack ----------------------------------------------------------------------------------
+    vocab_size: int = 4096
+    hidden_size: int = 64
+    num_layers: int = 6
+    # "kda" or "dsa" per layer. Explicit in config.json so the schedule lives in exactly one place;
+    # None at construction means default_layer_types(num_layers).
+    layer_types: list[str] | None = None
+    first_k_dense: int = 1  # the first k layers use a dense SwiGLU MLP, the rest MoE
+    intermediate_size: int = 128  # dense MLP width
+    max_position_embeddings: int = 4096  # the context window
+    rms_norm_eps: float = 1e-6
+    tie_word_embeddings: bool = False
+    dtype: str = "float32"  # parameter dtype: float32 | bfloat16 | float16
+    initializer_range: float = 0.02
+
+    # --- Kimi Delta Attention -------------------------------------------------------------------
+    kda_num_heads: int = 2
+    kda_head_dim: int = 32  # d_k = d_v; also the rank of the low-rank decay and output gates
+    kda_conv_size: int = 4  # causal depthwise short convolution on q, k, v
+    kda_chunk_size: int = 64  # C of the chunkwise (prefill / training) form
+
+    # --- Gated DSA: MLA projections over a latent cache ----------------------------------------
+    num_heads: int = 4
+    q_lora_rank: int = 32  # 0: no query latent (q = W_q x, as in Kimi Linear)
+    kv_lora_rank: int = 32  # width of the cached latent c_kv
+    qk_nope_head_dim: int = 16
+    qk_rope_head_dim: int = 8  # decoupled key slice shared by all heads, cached beside c_kv (0: none)
+    v_head_dim: int = 16
+    # Whether rotary embedding is *applied* to the decoupled slice: Horizon rotates nothing (the KDA
+    # layers carry position, as in Kimi Linear); DeepSeek-V3.2 rotates it interleaved.
+    mla_rope: str = "none"
+    rope_theta: float = 10000.0
+    dsa_gate_rank: int = 16  # low-rank sigmoid output gate G; 0: no gate (plain MLA / DSA)
+    attention_bias: bool = False  # bias on the latent down-projections (some imported models)
+
+    # --- Gated DSA: lightning indexer ------------------------------------------------------------
+    index_n_heads: int = 8  # H_I; 0: no indexer (dense MLA, the "previous generation")
+    index_head_dim: int = 16  # d_I
+    index_topk: int = 16  # positions each query keeps
+    index_rope_dim: int = 0  # half-split RoPE on the first dims of indexer q/k (0: none)
+
+    # --- Mixture of Experts ----------------------------------------------------------------------
+    n_routed_experts: int = 8
+    num_experts_per_tok: int = 2
+    moe_intermediate_size: int = 32
+    n_shared_experts: int = 1
+    n_group: int = 2  # routing groups (1: no group limiting)
+    topk_group: int = 1  # groups kept per token
+    routed_scaling_factor: float = 1.0
+    norm_topk_prob: bool = True
+
+    extra: dict[str, Any] = field(default_factory=dict)  # free-form notes kept in config.json
+
+    model_type = "horizon"  # class constant, written to config.json
+
+    def __post_init__(self) -> None:
+        if self.layer_types is None:
+            self.layer_types = default_layer_types(self.num_layers)
+        else:
+            self.layer_types = list(self.layer_types)
+        self.validate()
+
+    # --- validation ------------------------------------------------------------------------------
+    def validate(self) -> None:
+        def fail(name: str, allowed: str) -> None:
+            raise ValueError(f"ModelConfig.{name}={getattr(self, name)!r} is invalid: {allowed}")
+
+        for name in ("vocab_size", "hidden_size", "num_layers", "intermediate_size", "max_position_embeddings",
+                     "kda_num_heads", "kda_head_dim", "kda_conv_size", "kda_chunk_size", "num_heads",
+                     "kv_lora_rank", "v_head_dim", "n_routed_experts", "num_experts_per_tok",
+                     "moe_intermediate_size", "n_group", "topk_group"):
+            value = getattr(self, name)
+            if not isinstance(value, int) or isinstance(value, bool) or value < 1:
+                fail(name, "must be an integer >= 1")
+        for name in ("q_lora_rank", "qk_rope_head_dim", "qk_nope_head_dim", "dsa_gate_rank", "index_n_heads",
+                     "index_head_dim", "index_topk", "index_rope_dim", "first_k_dense", "n_shared_experts"):
+            value = getattr(self, name)
+            if not isinstance(value, int) or isinstance(value, bool) or value < 0:
+                fail(name, "must be an integer >= 0")
+        for name in ("rms_norm_eps", "rope_theta", "routed_scaling_factor", "initializer_range"):
+            value = getattr(self, name)
+            if not isinstance(value, (int, float)) or isinstance(value, bool) or not value > 0:
+                fail(name, "must be a number > 0")
+        if self.dtype not in DTYPES:
+            fail("dtype", f"allowed: {', '.join(DTYPES)}")
+        if self.mla_rope not in MLA_ROPE:
+            fail("mla_rope", f"allowed: {', '.join(MLA_ROPE)}")
+        if len(self.layer_types) != self.num_layers:
+            fail("layer_types", f"must list one type per layer (num_layers={self.num_layers}), "
+                 f"got {len(self.layer_types)}")
+        bad = sorted({t for t in self.layer_types if t not in LAYER_TYPES})
+        if bad:
+            fail("layer_types", f"unknown type(s) {bad}; allowed: {', '.join(LAYER_TYPES)}")
+        if self.first_k_dense > self.num_layers:
+            fail("first_k_dense", f"must be <= num_layers ({self.num_layers})")
+        if self.qk_nope_head_dim + self.qk_rope_head_dim < 1:
+            fail("qk_nope_head_dim", "qk_nope_head_dim + qk_rope_head_dim must be >= 1")
+        if self.mla_rope != "none" and (self.qk_rope_head_dim == 0 or self.qk_rope_head_dim % 2):
+            fail("qk_rope_head_dim", f"must be even and > 0 when mla_rope={self.mla_rope!r}")
+        if self.index_n_heads:
+            if self.index_head_dim < 1:
+                fail("index_head_dim", "must be >= 1 when the layer has an indexer (index_n_heads > 0)")
+            if self.index_topk < 1:
+                fail("index_topk", "must be >= 1 when the layer has an indexer (index_n_heads > 0)")
+            if self.index_rope_dim > self.index_head_dim or self.index_rope_dim % 2:
+                fail("index_rope_dim", f"must be even and <= index_head_dim ({self.index_head_dim})")
+        if self.num_experts_per_tok > self.n_routed_experts:
+            fail("num_experts_per_tok", f"must be <= n_routed_experts ({self.n_routed_experts})")
+        if self.n_routed_experts % self.n_group:
+            fail("n_group", f"must divide n_routed_experts ({self.n_routed_experts})")
+        if self.topk_group > self.n_group:
+            fail("topk_group", f"must be <= n_group ({self.n_group})")
+        per_group = self.n_routed_experts // self.n_group
+        if self.n_group > 1 and per_group < 2:
+            fail("n_group", "group-limited routing ranks groups by their top-2 scores: each group needs "
+                 f">= 2 experts (n_routed_experts={self.n_routed_experts})")
+        if self.topk_group * per_group < self.num_experts_per_tok:
+            fail("topk_group", f"the kept groups hold {self.topk_group * per_group} experts, fewer than "
+                 f"num_experts_per_tok ({self.num_experts_per_tok})")
+        if not isinstance(self.extra, dict):
+            fail("extra", "must be a JSON object")
+
+    # --- derived ---------------------------------------------------------------------------------
+    @property
+    def torch_dtype(self) -> torch.dtype:
+        return DTYPES[self.dtype]
+
+    @property
+    def qk_head_dim(self) -> int:
+        return self.qk_nope_head_dim + self.qk_rope_head_dim
+
+    @property
+    def dsa_layers(self) -> list[int]:
+        return [i for i, t in enumerate(self.layer_types) if t == "dsa"]
+
+    @property
+    def kda_layers(self) -> list[int]:
+        return [i for i, t in enumerate(self.layer_types) if t == "kda"]
+
+    def is_moe_layer(self, layer: int) -> bool:
+        return layer >= self.first_k_dense
+
+    # --- serialisation ---------------------------------------------------------------------------
+    def to_dict(self) -> dict[str, Any]:
+        out: dict[str, Any] = {"model_type": self.model_type, "architectures": ["HorizonForCausalLM"]}
+        out.update(dataclasses.asdict(self))
+        return out
+
+    def to_json(self) -> str:
+        return json.dumps(self.to_dict(), indent=2) + "\n"
+
+    def save(self, path: str | Path) -> None:
+        Path(path).write_text(self.to_json())
+
+    @classmethod
+    def from_dict(cls, data: dict[str, Any]) -> ModelConfig:
+        if not isinstance(data, dict):
+            raise ValueError(f"a model config must be a JSON object, got {type(data).__name__}")
+        model_type = data.get("model_type", cls.model_type)
+        if model_type != cls.model_type:
+            raise ValueError(f"config model_type={model_type!r} is not {cls.model_type!r}")
+        names = {f.name for f in dataclasses.fields(cls)}
+        unknown = sorted(set(data) - names - _METADATA_KEYS)
+        if unknown:
+            raise ValueError(f"unknown ModelConfig field(s) {unknown}; known fields: {sorted(names)}")
+        return cls(**{k: v for k, v in data.items() if k in names})
+
+    @classmethod
+    def load(cls, path: str | Path) -> ModelConfig:
+        path = Path(path)
+        if path.is_dir():
+            path = path / "config.json"
+        try:
+            data = json.loads(path.read_text())
+        except json.JSONDecodeError as e:
+            raise ValueError(f"{path}: not valid JSON ({e})") from None
+        return cls.from_dict(data)
+
+    def replace(self, **changes: Any) -> ModelConfig:
+        """A copy with some fields changed (validated again); layer_types follows num_layers if unset."""
+        if "num_layers" in changes and "layer_types" not in changes:
+            changes["layer_types"] = None
+        return dataclasses.replace(self, **changes)
+
+    # --- presets ---------------------------------------------------------------------------------
+    @classmethod
+    def preset(cls, name: str) -> ModelConfig:
+        from horizon.presets import PRESETS
+
+        if name not in PRESETS:
+            raise ValueError(f"unknown preset {name!r}; allowed: {', '.join(PRESETS)}")
+        return cls(**PRESETS[name])

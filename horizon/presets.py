@@ -1,0 +1,58 @@
+"""Named model sizes: `tiny` (tests), `small` (CPU benchmarks) and `2.8t` (the seeds' model).
+
+`ModelConfig.preset(name)` builds a config from these. Every number that the seeds do not give is a
+choice; the choices for `2.8t` and why are written next to them. `horizon plan --preset 2.8t`
+counts the parameters from a meta-device model built from exactly this dictionary.
+"""
+
+PRESETS: dict[str, dict] = {
+    # Runs the whole test suite on 2 CPU cores in seconds. Six layers give two Gated DSA layers
+    # (4 and 6) among four KDA layers; index_topk=16 is far below the test prompts so the sparse
+    # selection is exercised; 8 index heads (DESIGN's floor); group-limited routing is on.
+    "tiny": dict(
+        vocab_size=4096, hidden_size=64, num_layers=6, first_k_dense=1, intermediate_size=128,
+        max_position_embeddings=8192,
+        kda_num_heads=2, kda_head_dim=32,
+        num_heads=4, q_lora_rank=32, kv_lora_rank=32, qk_nope_head_dim=16, qk_rope_head_dim=8,
+        v_head_dim=16, dsa_gate_rank=16,
+        index_n_heads=8, index_head_dim=16, index_topk=16,
+        n_routed_experts=8, num_experts_per_tok=2, moe_intermediate_size=32, n_shared_experts=1,
+        n_group=2, topk_group=1, routed_scaling_factor=1.0,
+    ),
+    # A CPU benchmark size: ~0.6B total / ~0.1B active. Full-size top_k (2048), so contexts above
+    # 2K really run sparse.
+    "small": dict(
+        vocab_size=32768, hidden_size=512, num_layers=12, first_k_dense=1, intermediate_size=2048,
+        max_position_embeddings=131072, dtype="bfloat16",
+        kda_num_heads=8, kda_head_dim=64,
+        num_heads=8, q_lora_rank=192, kv_lora_rank=128, qk_nope_head_dim=64, qk_rope_head_dim=32,
+        v_head_dim=64, dsa_gate_rank=64,
+        index_n_heads=8, index_head_dim=64, index_topk=2048,
+        n_routed_experts=64, num_experts_per_tok=4, moe_intermediate_size=512, n_shared_experts=1,
+        n_group=4, topk_group=2, routed_scaling_factor=2.0,
+    ),
+    # The seeds' model: 93 layers (24 Gated DSA + 69 KDA by the every-4th-and-last schedule),
+    # top_k 2048, a 1,048,576-token context, ~2.8T total / ~104B active parameters.
+    # Given by the seeds: layer counts, top_k, context, the two totals. Chosen here:
+    #  * hidden 7168, vocab 163,840, MLA dims (q latent 1536, kv latent 512, nope 128, rope slice 64,
+    #    v 128) and indexer dims (64 heads x 128) as in the DeepSeek-V3 / Kimi family the seeds'
+    #    model descends from (Kimi Linear's MLA layers are DeepSeek-V3's); 64 attention heads as in
+    #    Kimi K2 (its DSA layers are a quarter of the stack, so fewer heads than DeepSeek's 128).
+    #  * KDA: 64 heads x 128 (Kimi Linear's head dim; heads x dim > hidden as in Kimi Linear).
+    #  * one dense first layer (Kimi's first_k_dense_replace=1) of width 18432 (DeepSeek-V3's).
+    #  * MoE: with everything above fixed, the routed experts must hold ~2.77T parameters and a
+    #    token must touch ~72B of them. Expert width 2304 with 608 routed experts (8 groups of 76,
+    #    4 groups kept, DeepSeek-style), 16 routed + 2 shared per token meets both totals to
+    #    within 0.5%; `horizon plan --preset 2.8t` prints the counts from the built modules.
+    #  * no rotary embedding in MLA (KDA carries position); routed_scaling_factor 2.5 (DeepSeek).
+    "2.8t": dict(
+        vocab_size=163840, hidden_size=7168, num_layers=93, first_k_dense=1, intermediate_size=18432,
+        max_position_embeddings=1048576, dtype="bfloat16",
+        kda_num_heads=64, kda_head_dim=128,
+        num_heads=64, q_lora_rank=1536, kv_lora_rank=512, qk_nope_head_dim=128, qk_rope_head_dim=64,
+        v_head_dim=128, dsa_gate_rank=128,
+        index_n_heads=64, index_head_dim=128, index_topk=2048,
+        n_routed_experts=608, num_experts_per_tok=16, moe_intermediate_size=2304, n_shared_experts=2,
+        n_group=8, topk_group=4, routed_scaling_factor=2.5,
+    ),
+}
