@@ -1,0 +1,82 @@
+"""Batch: the varlen layout of one forward pass.
+
+Hidden states travel through the stack as one flat array of N tokens ([N, d]): B sequences' new
+tokens laid end to end, so projections and experts never compute on padding, and one forward can
+mix a prefill chunk of one sequence with decode steps of others. The sequence mixers (KDA's
+recurrence, DSA's attention) need [B, T, ...] views; `pad` / `unpad` convert, with T the longest
+new-token count in the batch.
+
+Per sequence b: `lens[b]` new tokens whose absolute positions start at `start[b]` (tokens already
+in the cache), and `slots[b]`, the cache slot that holds its state.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+
+@dataclass
+class Batch:
+    lens: torch.Tensor  # [B] int64, new tokens per sequence
+    start: torch.Tensor  # [B] int64, position of each sequence's first new token
+    slots: torch.Tensor | None  # [B] int64 cache slots, None without a cache
+    max_len: int  # T: the longest new-token run
+    max_ctx: int  # longest context after this step: max(start + lens)
+    seq_ids: torch.Tensor  # [N] which sequence each flat token belongs to
+    offsets: torch.Tensor  # [N] index of each flat token within its sequence's new tokens
+    positions: torch.Tensor  # [N] absolute position of each flat token
+    uniform: bool  # every sequence has exactly max_len new tokens: pad/unpad are reshapes
+
+    @classmethod
+    def build(cls, lens, start=None, slots=None, device=None) -> Batch:
+        lens = torch.as_tensor(lens, dtype=torch.long, device=device)
+        if lens.dim() != 1 or lens.numel() == 0:
+            raise ValueError(f"lens must be a non-empty 1-D list of token counts, got shape {tuple(lens.shape)}")
+        if bool((lens < 0).any()):
+            raise ValueError(f"lens must be >= 0, got {lens.tolist()}")
+        device = lens.device
+        start = torch.zeros_like(lens) if start is None else torch.as_tensor(start, dtype=torch.long, device=device)
+        if start.shape != lens.shape:
+            raise ValueError(f"start has shape {tuple(start.shape)}, lens {tuple(lens.shape)}: one entry per sequence")
+        if slots is not None:
+            slots = torch.as_tensor(slots, dtype=torch.long, device=device)
+        lens_host = lens.tolist()
+        max_len = max(lens_host)
+        max_ctx = int((start + lens).max())
+        seq_ids = torch.repeat_interleave(torch.arange(len(lens_host), device=device), lens)
+        first = torch.cumsum(lens, 0) - lens  # flat index of each sequence's first token
+        offsets = torch.arange(int(sum(lens_host)), device=device) - first[seq_ids]
+        positions = start[seq_ids] + offsets
+        uniform = all(n == max_len for n in lens_host)
+        return cls(lens, start, slots, max_len, max_ctx, seq_ids, offsets, positions, uniform)
+
+    @property
+    def batch_size(self) -> int:
+        return self.lens.shape[0]
+
+    @property
+    def num_tokens(self) -> int:
+        return self.seq_ids.shape[0]
+
+    def pad(self, x: torch.Tensor) -> torch.Tensor:
+        """[N, ...] -> [B, T, ...], zeros where a sequence has fewer than T new tokens."""
+        if self.uniform:
+            return x.reshape(self.batch_size, self.max_len, *x.shape[1:])
+        out = x.new_zeros(self.batch_size, self.max_len, *x.shape[1:])
+        return out.index_put((self.seq_ids, self.offsets), x)
+
+    def unpad(self, x: torch.Tensor) -> torch.Tensor:
+        """[B, T, ...] -> [N, ...]."""
+        if self.uniform:
+            return x.reshape(self.num_tokens, *x.shape[2:])
+        return x[self.seq_ids, self.offsets]
+
+    def valid(self) -> torch.Tensor:
+        """[B, T] bool: which padded positions hold real tokens."""
+        return torch.arange(self.max_len, device=self.lens.device)[None, :] < self.lens[:, None]
+
+    def padded_positions(self) -> torch.Tensor:
+        """[B, T] absolute positions of the padded layout (positions past a sequence's end included)."""
+        return self.start[:, None] + torch.arange(self.max_len, device=self.lens.device)[None, :]

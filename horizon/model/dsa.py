@@ -1,0 +1,264 @@
+"""Gated DSA: DeepSeek Sparse Attention over a multi-head latent cache, with a sigmoid output gate (DESIGN 1.2).
+
+MLA projections: c_q = RMSNorm(W_qa x), q = W_qb c_q (or q = W_q x without a query latent);
+c_kv = RMSNorm(W_kva x) with a decoupled key slice k_pe shared by all heads; W_kvb maps c_kv to
+per-head k_nope and v. The cache keeps only [c_kv | k_pe] and the indexer key per token.
+
+Attention in two equivalent forms (softmax scale (d_nope + d_rope)^-1/2 in both):
+- expanded: apply W_kvb to the context rows, then ordinary multi-head attention (prefill);
+- absorbed: fold W_kvb's key part into the query and its value part into the output, so
+  attention runs against the latent rows themselves (MQA over the latent) and W_kvb never
+  touches a cached row (decode, and the sparse path).
+
+The lightning indexer scores every visible past position,
+    I(t, s) = sum_j w_tj * d_I^-1/2 * ReLU(q^I_tj . k^I_s),
+in tiles of queries (memory O(tile * L), never [T, H_I, T]) and keeps `index_topk` positions per
+query, ties broken toward the more recent position. Attention then gathers exactly those rows.
+When every query sees at most `index_topk` positions the selection is everything visible, so the
+layer runs plain dense causal attention and skips the indexer.
+
+Finally each head's output is multiplied by sigmoid(G x) (low-rank G) before W_o.
+"""
+
+from __future__ import annotations
+
+import math
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from horizon.config import ModelConfig
+from horizon.model.batch import Batch
+from horizon.model.cache import StepContext
+from horizon.model.layers import RMSNorm, apply_rope
+
+# Elements of one indexer score tile [B, tile, H_I, L]; bounds the indexer's working memory.
+INDEX_TILE_ELEMENTS = 1 << 22
+
+
+def topk_recent_first(scores: torch.Tensor, k: int) -> torch.Tensor:
+    """Indices of the k largest scores along the last dim; equal scores prefer the larger index.
+
+    Each fp32 score is mapped to an integer with the same order (negative floats get their magnitude
+    bits flipped), then paired with its position as key * 2^32 + position, so one integer top-k
+    orders by score and, among exact ties, by recency. It is a pure function of the scores, so
+    prefill, decode and batched runs break ties identically.
+    """
+    s = scores.float() + 0.0  # -0.0 -> +0.0 so equal values have equal bits
+    bits = s.view(torch.int32).long()
+    key = torch.where(bits < 0, bits ^ 0x7FFFFFFF, bits)
+    pos = torch.arange(s.shape[-1], device=s.device)
+    return (key * (1 << 32) + pos).topk(k, dim=-1).values & 0xFFFFFFFF
+
+
+def gather_rows(ctx, batch: Batch, idx: torch.Tensor) -> torch.Tensor:
+    """The sparse path's only read of the latent: rows at idx [B, T, k] -> [B, T, k, width]."""
+    return ctx.gather(batch, idx)
+
+
+def masked_softmax(scores: torch.Tensor, visible: torch.Tensor) -> torch.Tensor:
+    """Softmax over the last dim (fp32) restricted to `visible`; rows with nothing visible give zeros."""
+    scores = scores.float().masked_fill(~visible, -math.inf)
+    probs = torch.softmax(scores, dim=-1)
+    return torch.where(visible.any(-1, keepdim=True), probs, torch.zeros_like(probs))
+
+
+class LightningIndexer(nn.Module):
+    def __init__(self, cfg: ModelConfig):
+        super().__init__()
+        self.n_heads, self.head_dim, self.topk = cfg.index_n_heads, cfg.index_head_dim, cfg.index_topk
+        self.rope_dim, self.rope_theta = cfg.index_rope_dim, cfg.rope_theta
+        q_in = cfg.q_lora_rank or cfg.hidden_size  # c_q, or the (already RMS-normed) layer input
+        self.wq = nn.Linear(q_in, self.n_heads * self.head_dim, bias=False)
+        self.wk = nn.Linear(cfg.hidden_size, self.head_dim, bias=False)
+        self.k_norm = nn.LayerNorm(self.head_dim, eps=1e-6)
+        self.weights_proj = nn.Linear(cfg.hidden_size, self.n_heads, bias=False)
+
+    def _rope(self, x: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
+        if not self.rope_dim:
+            return x
+        r = self.rope_dim
+        return torch.cat((apply_rope(x[..., :r], positions, self.rope_theta, interleaved=False), x[..., r:]), -1)
+
+    def keys(self, x: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
+        """k^I [N, d_I]: one key per token shared by all index heads; cached."""
+        return self._rope(self.k_norm(self.wk(x)), positions)
+
+    def queries(self, x: torch.Tensor, c_q: torch.Tensor, positions: torch.Tensor):
+        """q^I [N, H_I, d_I] and the per-head weights w [N, H_I] (with the H_I^-1/2 factor)."""
+        q = self._rope(self.wq(c_q).view(-1, self.n_heads, self.head_dim), positions)
+        w = self.weights_proj(x).float() * self.n_heads**-0.5
+        return q, w
+
+    def scores(self, q: torch.Tensor, w: torch.Tensor, keys: torch.Tensor) -> torch.Tensor:
+        """I [B, t, L] for queries q [B, t, H_I, d_I], weights w [B, t, H_I], keys [B, L, d_I] (fp32)."""
+        s = torch.einsum("bthd,bsd->bths", q.float(), keys.float()).relu_()
+        return torch.einsum("bths,bth->bts", s, w * self.head_dim**-0.5)
+
+    def select(self, q, w, keys, q_pos, ctx_len, k: int) -> torch.Tensor:
+        """Top-k visible positions [B, t, k] for queries q [B, t, H_I, d_I] at positions q_pos [B, t].
+
+        Position s is visible to a query at p when s <= p and s < ctx_len[b]; invisible positions
+        score -inf, so they are chosen only when fewer than k positions are visible.
+        """
+        sc = self.scores(q, w, keys)  # [B, t, L]
+        s_pos = torch.arange(keys.shape[1], device=keys.device)
+        visible = (s_pos <= q_pos[..., None]) & (s_pos < ctx_len[:, None, None])
+        return topk_recent_first(sc.masked_fill(~visible, -math.inf), k)
+
+
+class GatedDSA(nn.Module):
+    def __init__(self, cfg: ModelConfig, layer_idx: int):
+        super().__init__()
+        self.layer_idx = layer_idx
+        self.num_heads, H = cfg.num_heads, cfg.num_heads
+        self.nope, self.rope, self.v_dim = cfg.qk_nope_head_dim, cfg.qk_rope_head_dim, cfg.v_head_dim
+        self.kv_rank, self.q_rank = cfg.kv_lora_rank, cfg.q_lora_rank
+        self.mla_rope, self.rope_theta = cfg.mla_rope, cfg.rope_theta
+        self.scale = cfg.qk_head_dim**-0.5
+        d = cfg.hidden_size
+        if self.q_rank:
+            self.wq_a = nn.Linear(d, self.q_rank, bias=cfg.attention_bias)
+            self.q_norm = RMSNorm(self.q_rank, cfg.rms_norm_eps)
+            self.wq_b = nn.Linear(self.q_rank, H * cfg.qk_head_dim, bias=False)
+        else:
+            self.wq = nn.Linear(d, H * cfg.qk_head_dim, bias=False)
+        self.wkv_a = nn.Linear(d, self.kv_rank + self.rope, bias=cfg.attention_bias)
+        self.kv_norm = RMSNorm(self.kv_rank, cfg.rms_norm_eps)
+        self.wkv_b = nn.Linear(self.kv_rank, H * (self.nope + self.v_dim), bias=False)
+        self.wo = nn.Linear(H * self.v_dim, d, bias=cfg.attention_bias)
+        self.gate_rank = cfg.dsa_gate_rank
+        if self.gate_rank:
+            self.gate_a = nn.Linear(d, self.gate_rank, bias=False)
+            self.gate_b = nn.Linear(self.gate_rank, H * self.v_dim, bias=False)
+        self.indexer = LightningIndexer(cfg) if cfg.index_n_heads else None
+        # "auto": expanded for dense prefill, absorbed for decode and for sparse selection.
+        # Tests force one form to check that both give the same numbers.
+        self.attn_form = "auto"
+        self.record_selection = False  # keep the last [B, T, k] selection in `last_selection` (tests)
+
+    # --- projections -------------------------------------------------------------------------
+    def project(self, x: torch.Tensor, positions: torch.Tensor):
+        """Queries (q_nope [N, H, nope], q_pe [N, H, rope]), c_q, and the latent row [N, kv_rank + rope]."""
+        if self.q_rank:
+            c_q = self.q_norm(self.wq_a(x))
+            q = self.wq_b(c_q)
+        else:
+            c_q = x
+            q = self.wq(x)
+        q_nope, q_pe = q.view(-1, self.num_heads, self.nope + self.rope).split((self.nope, self.rope), -1)
+        c_kv, k_pe = self.wkv_a(x).split((self.kv_rank, self.rope), -1)
+        if self.mla_rope != "none":
+            inter = self.mla_rope == "interleaved"
+            q_pe = apply_rope(q_pe, positions, self.rope_theta, inter)
+            k_pe = apply_rope(k_pe, positions, self.rope_theta, inter)
+        return q_nope, q_pe, c_q, torch.cat((self.kv_norm(c_kv), k_pe), dim=-1)
+
+    def _w_kvb(self) -> tuple[torch.Tensor, torch.Tensor]:
+        """W_kvb split per head: key part [H, nope, kv_rank] and value part [H, v, kv_rank]."""
+        w = self.wkv_b.weight.view(self.num_heads, self.nope + self.v_dim, self.kv_rank)
+        return w[:, : self.nope], w[:, self.nope:]
+
+    # --- attention forms -----------------------------------------------------------------------
+    def _expanded_dense(self, q_nope, q_pe, rows, visible):
+        """Dense attention after expanding the context rows [B, L, width] with W_kvb."""
+        B, L = rows.shape[:2]
+        kv = self.wkv_b(rows[..., : self.kv_rank]).view(B, L, self.num_heads, self.nope + self.v_dim)
+        k_nope, v = kv.split((self.nope, self.v_dim), -1)
+        k_pe = rows[..., self.kv_rank:][:, :, None, :].expand(-1, -1, self.num_heads, -1)
+        q = torch.cat((q_nope, q_pe), -1).transpose(1, 2)  # [B, H, T, dq]
+        k = torch.cat((k_nope, k_pe), -1).transpose(1, 2)  # [B, H, L, dq]
+        out = F.scaled_dot_product_attention(q, k, v.transpose(1, 2), attn_mask=visible[:, None],
+                                             scale=self.scale)
+        # a query that sees nothing (only padding rows can) gives NaN from SDPA; zero it
+        return torch.where(visible.any(-1)[:, :, None, None], out.transpose(1, 2), 0.0)
+
+    def _expanded_sparse(self, q_nope, q_pe, rows, idx, visible):
+        """Sparse attention with expanded keys: W_kvb on every context row, then gather k per query."""
+        B, L = rows.shape[:2]
+        kv = self.wkv_b(rows[..., : self.kv_rank]).view(B, L, self.num_heads, self.nope + self.v_dim)
+        k_nope, v = kv.split((self.nope, self.v_dim), -1)
+        b = torch.arange(B, device=idx.device)[:, None, None]
+        k_pe = rows[..., self.kv_rank:][b, idx]  # [B, T, k, rope]
+        scores = (torch.einsum("bthd,btshd->bths", q_nope.float(), k_nope[b, idx].float())
+                  + torch.einsum("bthe,btse->bths", q_pe.float(), k_pe.float())) * self.scale
+        probs = masked_softmax(scores, visible[:, :, None, :])
+        return torch.einsum("bths,btshv->bthv", probs, v[b, idx].float())
+
+    def _absorbed(self, q_nope, q_pe, rows, visible):
+        """MQA over the latent: rows [B, T, S, width] per query (sparse) or [B, S, width] shared (dense)."""
+        w_uk, w_uv = self._w_kvb()
+        q_lat = torch.einsum("bthd,hdr->bthr", q_nope.float(), w_uk.float())  # W_kvb's key part into q
+        c, k_pe = rows[..., : self.kv_rank].float(), rows[..., self.kv_rank:].float()
+        per_query = rows.dim() == 4
+        sub = "btsr" if per_query else "bsr"
+        scores = (torch.einsum(f"bthr,{sub}->bths", q_lat, c)
+                  + torch.einsum(f"bthe,{sub.replace('r', 'e')}->bths", q_pe.float(), k_pe)) * self.scale
+        probs = masked_softmax(scores, visible[:, :, None, :])
+        o_lat = torch.einsum(f"bths,{sub}->bthr", probs, c)
+        return torch.einsum("bthr,hvr->bthv", o_lat, w_uv.float())  # W_kvb's value part on the output
+
+    def _sparse(self, x, c_q, q_nope, q_pe, ctx, batch, q_pos, ctx_len, form):
+        """Indexer selection + attention over the selected rows, a tile of queries at a time.
+
+        A tile's working set is [B, tile, H_I, L] for the scores and [B, tile, k, width] for the
+        gathered rows, so memory stays O(T * k) however long the context.
+        """
+        k = self.indexer.topk
+        qi, wi = self.indexer.queries(x, c_q, batch.positions)
+        qi, wi = batch.pad(qi), batch.pad(wi)
+        keys = ctx.index_keys(batch)  # [B, L, d_I]
+        B, T, L = q_pos.shape[0], q_pos.shape[1], keys.shape[1]
+        width = self.kv_rank + self.rope
+        if form == "expanded":  # gathers expanded keys and values: H * (nope + rope + v) per row
+            width = self.num_heads * (self.nope + self.rope + self.v_dim)
+        tile = max(1, INDEX_TILE_ELEMENTS // max(1, B * max(self.indexer.n_heads * L, k * width)))
+        rows = ctx.rows(batch) if form == "expanded" else None
+        outs, picks = [], []
+        for t0 in range(0, T, tile):
+            sl = slice(t0, t0 + tile)
+            idx = self.indexer.select(qi[:, sl], wi[:, sl], keys, q_pos[:, sl], ctx_len, k)  # [B, t, k]
+            visible = (idx <= q_pos[:, sl, None]) & (idx < ctx_len[:, None, None])
+            if form == "expanded":
+                outs.append(self._expanded_sparse(q_nope[:, sl], q_pe[:, sl], rows, idx, visible))
+            else:
+                outs.append(self._absorbed(q_nope[:, sl], q_pe[:, sl], gather_rows(ctx, batch, idx), visible))
+            if self.record_selection:
+                picks.append(idx)
+        if self.record_selection:
+            self.last_selection = torch.cat(picks, dim=1)
+        return torch.cat(outs, dim=1)
+
+    # --- forward -------------------------------------------------------------------------------
+    def forward(self, x: torch.Tensor, batch: Batch, cache=None) -> torch.Tensor:
+        """x [N, d] (flat tokens) -> [N, d]; appends this step's rows to `cache` if given."""
+        q_nope, q_pe, c_q, latent = self.project(x, batch.positions)
+        index_keys = self.indexer.keys(x, batch.positions) if self.indexer is not None else None
+        if cache is not None:
+            ctx = cache.layers[self.layer_idx]
+            ctx.write(batch, latent, index_keys)
+            L = batch.max_ctx
+        else:
+            ctx = StepContext(batch, latent, index_keys)
+            L = batch.max_len
+        q_nope, q_pe = batch.pad(q_nope), batch.pad(q_pe)  # [B, T, H, .]
+        q_pos = batch.padded_positions()  # [B, T]
+        ctx_len = batch.start + batch.lens  # [B]
+        decode = cache is not None and batch.max_len == 1
+        form = self.attn_form
+        if self.indexer is None or self.indexer.topk >= L:
+            # every visible position is selected: exactly dense causal attention
+            s_pos = torch.arange(L, device=x.device)
+            visible = (s_pos <= q_pos[..., None]) & (s_pos < ctx_len[:, None, None])  # [B, T, L]
+            rows = ctx.rows(batch)
+            if form == "absorbed" or (form == "auto" and decode):
+                o = self._absorbed(q_nope, q_pe, rows, visible)
+            else:
+                o = self._expanded_dense(q_nope, q_pe, rows, visible)
+        else:
+            o = self._sparse(x, c_q, q_nope, q_pe, ctx, batch, q_pos, ctx_len, form)
+        o = batch.unpad(o).to(x.dtype)  # [N, H, v]
+        if self.gate_rank:
+            o = o * torch.sigmoid(self.gate_b(self.gate_a(x))).view_as(o)
+        return self.wo(o.flatten(1))

@@ -1,0 +1,159 @@
+"""HorizonForCausalLM: the decoder stack (DESIGN 1).
+
+    h = embed(tokens)
+    for each block:  h += Attn(RMSNorm(h));  h += FFN(RMSNorm(h))
+    logits = lm_head(RMSNorm(h))
+
+Attn is KDA or Gated DSA by `config.layer_types`; FFN is a dense SwiGLU MLP for the first
+`first_k_dense` blocks and an MoE after that.
+
+Two ways in:
+- `model(input_ids [B, T], cache=None, lengths=None)`: a right-padded batch (`lengths[b]` real
+  tokens in row b, default all T). With a cache, rows continue the sequences in cache slots 0..B-1
+  from where they stopped, so prefill in chunks followed by decode one token at a time gives the
+  logits of one full forward. Returns fp32 logits [B, T, V] (garbage at padded positions).
+- `model.forward_batch(tokens [N], batch, cache)`: the varlen form the engine uses (horizon.model.batch).
+"""
+
+from __future__ import annotations
+
+import math
+
+import torch
+from torch import nn
+
+from horizon.config import ModelConfig
+from horizon.model.batch import Batch
+from horizon.model.cache import HorizonCache
+from horizon.model.dsa import GatedDSA
+from horizon.model.kda import KimiDeltaAttention
+from horizon.model.layers import MLP, RMSNorm
+from horizon.model.moe import MoE, Router
+
+
+class Block(nn.Module):
+    def __init__(self, cfg: ModelConfig, layer_idx: int):
+        super().__init__()
+        self.attn_norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
+        kind = cfg.layer_types[layer_idx]
+        self.attn = KimiDeltaAttention(cfg, layer_idx) if kind == "kda" else GatedDSA(cfg, layer_idx)
+        self.mlp_norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
+        self.mlp = MoE(cfg) if cfg.is_moe_layer(layer_idx) else MLP(cfg.hidden_size, cfg.intermediate_size)
+
+    def forward(self, h: torch.Tensor, batch: Batch, cache: HorizonCache | None) -> torch.Tensor:
+        h = h + self.attn(self.attn_norm(h), batch, cache)
+        return h + self.mlp(self.mlp_norm(h))
+
+
+class HorizonForCausalLM(nn.Module):
+    def __init__(self, config: ModelConfig, init: bool = True):
+        super().__init__()
+        self.config = config
+        self.embed = nn.Embedding(config.vocab_size, config.hidden_size)
+        self.layers = nn.ModuleList(Block(config, i) for i in range(config.num_layers))
+        self.norm = RMSNorm(config.hidden_size, config.rms_norm_eps)
+        self.lm_head = nn.Linear(config.hidden_size, config.vocab_size, bias=False)
+        if config.tie_word_embeddings:
+            self.lm_head.weight = self.embed.weight
+        if init and self.embed.weight.device.type != "meta":
+            self.init_weights()
+        self.to(config.torch_dtype)
+
+    # --- weights -------------------------------------------------------------------------------
+    @torch.no_grad()
+    def init_weights(self, seed: int | None = None) -> None:
+        """Random initialisation (normal(0, initializer_range); residual outputs scaled by 1/sqrt(2L))."""
+        gen = torch.Generator().manual_seed(seed) if seed is not None else None
+        std = self.config.initializer_range
+        out_std = std / math.sqrt(2 * self.config.num_layers)
+
+        def normal_(t: torch.Tensor, s: float) -> None:
+            t.copy_(torch.randn(t.shape, generator=gen, dtype=torch.float32) * s)
+
+        def uniform_(t: torch.Tensor, lo: float, hi: float) -> None:
+            t.copy_(torch.rand(t.shape, generator=gen, dtype=torch.float32) * (hi - lo) + lo)
+
+        for name, module in self.named_modules():
+            if isinstance(module, nn.Linear):
+                last = name.rsplit(".", 1)[-1]
+                normal_(module.weight, out_std if last in ("o_proj", "wo", "down_proj") else std)
+                if module.bias is not None:
+                    module.bias.zero_()
+            elif isinstance(module, nn.Embedding):
+                normal_(module.weight, std)
+            elif isinstance(module, (RMSNorm, nn.LayerNorm)):
+                module.weight.fill_(1.0)
+                if getattr(module, "bias", None) is not None:
+                    module.bias.zero_()
+            elif isinstance(module, Router):
+                normal_(module.weight, std)
+                module.e_score_correction_bias.zero_()
+            elif isinstance(module, KimiDeltaAttention):
+                kernel = module.conv_weight.shape[1]
+                uniform_(module.conv_weight, -kernel**-0.5, kernel**-0.5)  # nn.Conv1d's default for depthwise
+                uniform_(module.A_log, 1.0, 16.0)
+                module.A_log.copy_(module.A_log.log())  # decay rates exp(A_log) in [1, 16]
+                dt = torch.empty_like(module.dt_bias, dtype=torch.float32)
+                uniform_(dt, math.log(1e-3), math.log(1e-1))
+                dt = dt.exp()
+                module.dt_bias.copy_(dt + torch.log(-torch.expm1(-dt)))  # softplus^-1(dt)
+                module.o_norm_weight.fill_(1.0)
+        for module in self.modules():
+            if hasattr(module, "gate_up_proj"):
+                normal_(module.gate_up_proj, std)
+                normal_(module.down_proj, out_std)
+        if self.config.tie_word_embeddings:
+            self.lm_head.weight = self.embed.weight
+
+    # --- caches --------------------------------------------------------------------------------
+    def new_cache(self, num_slots: int, max_len: int) -> HorizonCache:
+        """An empty decode cache for `num_slots` sequences of up to `max_len` tokens."""
+        p = self.embed.weight
+        return HorizonCache(self.config, num_slots, max_len, dtype=p.dtype, device=p.device)
+
+    # --- forward -------------------------------------------------------------------------------
+    def forward_batch(self, tokens: torch.Tensor, batch: Batch, cache: HorizonCache | None = None,
+                      last_only: bool = False) -> torch.Tensor:
+        """Varlen forward: tokens [N] laid out by `batch` -> fp32 logits [N, V] ([B, V] with last_only)."""
+        if cache is not None:
+            end = batch.start + batch.lens
+            if int(end.max()) > cache.max_len:
+                raise ValueError(f"the batch needs {int(end.max())} cached positions but the cache holds "
+                                 f"max_len={cache.max_len}")
+        if batch.max_ctx > self.config.max_position_embeddings:
+            raise ValueError(f"context of {batch.max_ctx} tokens exceeds the model's window "
+                             f"max_position_embeddings={self.config.max_position_embeddings}")
+        h = self.embed(tokens)
+        for block in self.layers:
+            h = block(h, batch, cache)
+        if cache is not None:
+            cache.lens[batch.slots] += batch.lens
+        if last_only:
+            h = h[torch.cumsum(batch.lens, 0) - 1]
+        return self.lm_head(self.norm(h)).float()
+
+    def forward(self, input_ids: torch.Tensor, cache: HorizonCache | None = None,
+                lengths: torch.Tensor | list[int] | None = None) -> torch.Tensor:
+        """input_ids [B, T] right-padded -> fp32 logits [B, T, V]; continues cache slots 0..B-1 if given."""
+        if input_ids.dim() != 2:
+            raise ValueError(f"input_ids must be [batch, seq], got shape {tuple(input_ids.shape)}")
+        B, T = input_ids.shape
+        device = input_ids.device
+        lens = torch.full((B,), T, dtype=torch.long) if lengths is None else torch.as_tensor(lengths).long().cpu()
+        if lens.shape != (B,) or bool((lens < 0).any()) or bool((lens > T).any()):
+            raise ValueError(f"lengths must hold {B} counts in [0, {T}], got {lens.tolist()}")
+        if bool((input_ids < 0).any()) or bool((input_ids >= self.config.vocab_size).any()):
+            raise ValueError(f"input_ids must be in [0, vocab_size={self.config.vocab_size})")
+        if cache is not None:
+            if B > cache.num_slots:
+                raise ValueError(f"batch of {B} sequences but the cache has {cache.num_slots} slots")
+            slots = torch.arange(B, device=cache.lens.device)
+            batch = Batch.build(lens.to(device), start=cache.lens[slots].to(device), slots=slots.to(device))
+        else:
+            batch = Batch.build(lens.to(device))
+        valid = torch.arange(T, device=device)[None, :] < batch.lens[:, None]
+        logits = self.forward_batch(input_ids[valid], batch, cache)
+        return batch.pad(logits)
+
+    def num_parameters(self) -> int:
+        return sum(p.numel() for p in self.parameters())

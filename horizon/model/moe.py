@@ -1,0 +1,128 @@
+"""DeepSeek-V3-style Mixture of Experts with auxiliary-loss-free balancing (DESIGN 1.3).
+
+Router: s = sigmoid(x W_r) in fp32; experts are chosen by top-k of s + b, where b is a per-expert
+bias that is not a gradient parameter; optionally only inside the best `topk_group` of `n_group`
+groups (groups ranked by the sum of their two best s + b). Gate weights are the chosen s (without
+b), normalised to sum 1, times `routed_scaling_factor`. Shared experts see every token.
+
+Balancing: after each optimiser step the trainer calls `balance_moe_bias(model, gamma)`, which
+moves each bias by gamma * sign(mean load - load) (centred, so the biases do not drift), using
+the token loads counted since the previous call (all-reduced when torch.distributed is running).
+
+Dispatch sorts the (token, expert) assignments by expert and runs one matmul per expert that has
+tokens: a loop over experts, never over tokens.
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.distributed as dist
+import torch.nn.functional as F
+from torch import nn
+
+from horizon.config import ModelConfig
+from horizon.model.layers import MLP
+
+
+class Router(nn.Module):
+    def __init__(self, cfg: ModelConfig):
+        super().__init__()
+        self.top_k, self.n_experts = cfg.num_experts_per_tok, cfg.n_routed_experts
+        self.n_group, self.topk_group = cfg.n_group, cfg.topk_group
+        self.norm_topk_prob, self.scaling = cfg.norm_topk_prob, cfg.routed_scaling_factor
+        self.weight = nn.Parameter(torch.empty(self.n_experts, cfg.hidden_size))
+        # the selection bias b: a buffer (no gradient), kept in fp32 whatever the model dtype
+        self.register_buffer("e_score_correction_bias", torch.zeros(self.n_experts, dtype=torch.float32))
+
+    def _apply(self, fn, recurse=True):
+        # model.to(bfloat16) must not round the bias (its updates are gamma-sized steps): after any
+        # conversion it follows the weight's device and stays fp32
+        bias = self.e_score_correction_bias
+        super()._apply(fn, recurse)
+        self.e_score_correction_bias = bias.to(self.weight.device)
+        return self
+
+    def forward(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """x [N, d] -> gate weights [N, k] (fp32) and expert indices [N, k]."""
+        scores = torch.sigmoid(F.linear(x.float(), self.weight.float()))  # s [N, E]
+        choice = scores + self.e_score_correction_bias
+        if self.n_group > 1:
+            grouped = choice.view(-1, self.n_group, self.n_experts // self.n_group)
+            group_score = grouped.topk(2, dim=-1).values.sum(-1)  # [N, G]
+            keep = torch.zeros_like(group_score, dtype=torch.bool)
+            keep.scatter_(1, group_score.topk(self.topk_group, dim=-1).indices, True)
+            choice = grouped.masked_fill(~keep[..., None], float("-inf")).flatten(1)
+        idx = choice.topk(self.top_k, dim=-1).indices
+        weights = scores.gather(1, idx)
+        if self.norm_topk_prob:
+            weights = weights / (weights.sum(-1, keepdim=True) + 1e-20)
+        return weights * self.scaling, idx
+
+
+class Experts(nn.Module):
+    """E SwiGLU experts stored stacked: gate_up_proj [E, 2f, d], down_proj [E, d, f]."""
+
+    def __init__(self, n_experts: int, dim: int, hidden: int):
+        super().__init__()
+        self.n_experts = n_experts
+        self.gate_up_proj = nn.Parameter(torch.empty(n_experts, 2 * hidden, dim))
+        self.down_proj = nn.Parameter(torch.empty(n_experts, dim, hidden))
+
+    def expert(self, e: int, x: torch.Tensor) -> torch.Tensor:
+        gate, up = F.linear(x, self.gate_up_proj[e]).chunk(2, dim=-1)
+        return F.linear(F.silu(gate) * up, self.down_proj[e])
+
+    def forward(self, x: torch.Tensor, weights: torch.Tensor, idx: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """x [N, d], weights / idx [N, k] -> (sum_k weight * expert(x) [N, d], tokens per expert [E])."""
+        k = idx.shape[1]
+        flat = idx.flatten()
+        order = flat.argsort(stable=True)  # assignments grouped by expert
+        counts = torch.bincount(flat, minlength=self.n_experts)
+        token = order // k
+        xs = x[token]
+        out = torch.empty_like(xs)
+        start = 0
+        for e, n in enumerate(counts.tolist()):  # one host sync; a loop over experts, not tokens
+            if n:
+                out[start:start + n] = self.expert(e, xs[start:start + n])
+                start += n
+        out = out * weights.flatten()[order, None].to(out.dtype)
+        return torch.zeros_like(x).index_add_(0, token, out), counts
+
+
+class MoE(nn.Module):
+    def __init__(self, cfg: ModelConfig):
+        super().__init__()
+        self.gate = Router(cfg)
+        self.experts = Experts(cfg.n_routed_experts, cfg.hidden_size, cfg.moe_intermediate_size)
+        self.shared_experts = (MLP(cfg.hidden_size, cfg.moe_intermediate_size * cfg.n_shared_experts)
+                               if cfg.n_shared_experts else None)
+        # tokens routed to each expert since the last bias update (counted in training mode)
+        # (int64: model.to(dtype) leaves integer buffers alone, so counts never round)
+        self.register_buffer("load", torch.zeros(cfg.n_routed_experts, dtype=torch.long), persistent=False)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        weights, idx = self.gate(x)
+        y, counts = self.experts(x, weights, idx)
+        if self.training:
+            self.load += counts
+        if self.shared_experts is not None:
+            y = y + self.shared_experts(x)
+        return y
+
+    @torch.no_grad()
+    def update_bias(self, gamma: float) -> None:
+        """b += gamma * sign(mean_load - load), centred; then start counting afresh."""
+        load = self.load.float()
+        if dist.is_available() and dist.is_initialized():
+            dist.all_reduce(load)
+        delta = gamma * torch.sign(load.mean() - load)
+        self.gate.e_score_correction_bias += delta - delta.mean()
+        self.load.zero_()
+
+
+def balance_moe_bias(model: nn.Module, gamma: float = 1e-3) -> None:
+    """The auxiliary-loss-free balancing step: call after every optimiser step."""
+    for module in model.modules():
+        if isinstance(module, MoE):
+            module.update_bias(gamma)

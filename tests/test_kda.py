@@ -1,0 +1,128 @@
+"""KDA: chunkwise == recurrent == flash-linear-attention's reference; state carried exactly."""
+
+import importlib.util
+from pathlib import Path
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+import horizon.model.kda as kda_mod
+from horizon.model import Batch
+from horizon.model.kda import decayed_scores, kda_chunkwise, kda_recurrent, short_conv
+
+from .conftest import tiny_model
+
+
+def fla_naive():
+    """flash-linear-attention's fla/ops/kda/naive.py, loaded from its file so triton is never imported."""
+    spec = importlib.util.find_spec("fla")
+    path = Path(spec.submodule_search_locations[0]) / "ops" / "kda" / "naive.py"
+    module_spec = importlib.util.spec_from_file_location("fla_kda_naive", path)
+    module = importlib.util.module_from_spec(module_spec)
+    module_spec.loader.exec_module(module)
+    return module
+
+
+def inputs(B=2, T=50, H=3, K=16, V=12, seed=0, decay=2.0):
+    g = torch.Generator().manual_seed(seed)
+    q = F.normalize(torch.randn(B, T, H, K, generator=g), dim=-1)
+    k = F.normalize(torch.randn(B, T, H, K, generator=g), dim=-1)
+    v = torch.randn(B, T, H, V, generator=g)
+    log_alpha = -torch.rand(B, T, H, K, generator=g) * decay
+    beta = torch.rand(B, T, H, generator=g)
+    s0 = torch.randn(B, H, K, V, generator=g)
+    return q, k, v, log_alpha, beta, s0
+
+
+@pytest.mark.parametrize("T", [1, 15, 16, 33, 64, 97, 150])
+@pytest.mark.parametrize("with_state", [False, True])
+@pytest.mark.parametrize("chunk", [16, 64])
+def test_chunkwise_equals_recurrent(T, with_state, chunk):
+    q, k, v, g, beta, s0 = inputs(T=T)
+    s0 = s0 if with_state else None
+    o_r, s_r = kda_recurrent(q, k, v, g, beta, initial_state=s0)
+    o_c, s_c = kda_chunkwise(q, k, v, g, beta, initial_state=s0, chunk_size=chunk)
+    torch.testing.assert_close(o_c, o_r, atol=1e-5, rtol=0)
+    torch.testing.assert_close(s_c, s_r, atol=1e-5, rtol=0)
+
+
+@pytest.mark.parametrize("T", [20, 64, 70])
+@pytest.mark.parametrize("with_state", [False, True])
+def test_both_forms_equal_flash_linear_attention_reference(T, with_state):
+    naive = fla_naive()
+    q, k, v, g, beta, s0 = inputs(T=T, seed=1)
+    s0 = s0 if with_state else None
+    o_ref, s_ref = naive.naive_recurrent_kda(q, k, v, g, beta, initial_state=s0, output_final_state=True)
+    for o, s in (kda_recurrent(q, k, v, g, beta, initial_state=s0),
+                 kda_chunkwise(q, k, v, g, beta, initial_state=s0, chunk_size=16)):
+        torch.testing.assert_close(o, o_ref, atol=1e-5, rtol=0)
+        torch.testing.assert_close(s, s_ref, atol=1e-5, rtol=0)
+
+
+@pytest.mark.parametrize("sub", [4, 8, 16])
+def test_blocked_decayed_scores_equal_the_pairwise_formula(sub):
+    g = torch.Generator().manual_seed(3)
+    a, b = torch.randn(2, 3, 16, 5, generator=g), torch.randn(3, 16, 5, generator=g)
+    G = (-torch.rand(3, 16, 5, generator=g) * 3).cumsum(-2)
+    got = decayed_scores(a, b, G, sub=sub)
+    want = torch.einsum("mcid,cjd,cijd->mcij", a, b, (G[:, :, None] - G[:, None]).exp()).tril()
+    torch.testing.assert_close(got, want, atol=1e-5, rtol=1e-5)
+
+
+def test_chunkwise_survives_strong_decay():
+    # log-decays of up to -40 per token: a factorised exp(G_i) * exp(-G_j) would overflow fp32
+    q, k, v, g, beta, s0 = inputs(T=64, decay=40.0)
+    o_c, s_c = kda_chunkwise(q, k, v, g, beta, initial_state=s0, chunk_size=64)
+    o_r, s_r = kda_recurrent(q, k, v, g, beta, initial_state=s0)
+    assert torch.isfinite(o_c).all() and torch.isfinite(s_c).all()
+    torch.testing.assert_close(o_c, o_r, atol=1e-5, rtol=0)
+
+
+def test_zero_beta_and_decay_leave_the_state_unchanged():
+    # the padding rule the batched layer relies on
+    q, k, v, g, beta, s0 = inputs(T=9)
+    g[:, 4:] = 0
+    beta[:, 4:] = 0
+    _, s_short = kda_chunkwise(q[:, :4], k[:, :4], v[:, :4], g[:, :4], beta[:, :4], initial_state=s0, chunk_size=4)
+    _, s_long = kda_chunkwise(q, k, v, g, beta, initial_state=s0, chunk_size=4)
+    torch.testing.assert_close(s_long, s_short, atol=1e-6, rtol=0)
+
+
+def test_chunkwise_layer_never_calls_the_recurrent_step(monkeypatch):
+    def forbidden(*args, **kwargs):
+        raise AssertionError("the chunkwise path called the recurrent step")
+
+    model = tiny_model()
+    ids = torch.randint(0, model.config.vocab_size, (2, 70))
+    monkeypatch.setattr(kda_mod, "kda_recurrent", forbidden)
+    with torch.no_grad():
+        model(ids)  # full forward: chunkwise
+        model(ids[:, :30], cache=model.new_cache(2, 80))  # multi-token prefill into a cache: chunkwise
+
+
+def test_short_conv_with_carried_tail_equals_one_pass():
+    torch.manual_seed(0)
+    C, kernel, T = 6, 4, 11
+    x = torch.randn(2, T, C)
+    w = torch.randn(C, kernel)
+    lens = torch.tensor([T, T])
+    full, _ = short_conv(x, torch.zeros(2, kernel - 1, C), w, lens)
+    first, tail = short_conv(x[:, :5], torch.zeros(2, kernel - 1, C), w, torch.tensor([5, 5]))
+    second, _ = short_conv(x[:, 5:], tail, w, torch.tensor([T - 5, T - 5]))
+    torch.testing.assert_close(torch.cat((first, second), 1), full)
+    # the carried tail is the last kernel-1 real inputs, wherever each sequence's padding starts
+    _, tail = short_conv(x, torch.zeros(2, kernel - 1, C), w, torch.tensor([7, 2]))
+    torch.testing.assert_close(tail[0], x[0, 4:7])
+    torch.testing.assert_close(tail[1, 1:], x[1, :2])
+    assert (tail[1, 0] == 0).all()
+
+
+def test_kda_decode_state_is_constant_size(model):
+    cache = model.new_cache(1, 64)
+    shapes = [(c.state.shape, c.conv.shape) for c in cache.layers if hasattr(c, "state")]
+    cfg = model.config
+    H, dk = cfg.kda_num_heads, cfg.kda_head_dim
+    assert shapes == [((1, H, dk, dk), (1, cfg.kda_conv_size - 1, 3 * H * dk))] * len(cfg.kda_layers)
+    batch = Batch.build([5])
+    assert batch.max_len == 5

@@ -1,0 +1,109 @@
+"""MoE: gate weights, bias-driven selection, group-limited routing, balancing, batched dispatch."""
+
+import torch
+
+from horizon.model import balance_moe_bias
+from horizon.model.moe import MoE, Router
+
+from .conftest import tiny
+
+
+def router(seed=0, **changes) -> Router:
+    torch.manual_seed(seed)
+    r = Router(tiny(**changes))
+    torch.nn.init.normal_(r.weight, std=0.5)
+    return r
+
+
+def test_gates_are_normalised_scores_times_scaling_whatever_the_bias():
+    r = router(routed_scaling_factor=2.5, n_group=1, topk_group=1)
+    x = torch.randn(64, 64)
+    scores = torch.sigmoid(x @ r.weight.T)
+    _, before = r(x)
+    r.e_score_correction_bias.copy_(torch.linspace(-0.3, 0.3, 8))
+    weights, idx = r(x)
+    assert not torch.equal(idx.sort(-1).values, before.sort(-1).values)  # the bias changed the choice
+    chosen = scores.gather(1, idx)
+    torch.testing.assert_close(weights, chosen / chosen.sum(-1, keepdim=True) * 2.5)
+    # the choice is top-k of s + b
+    want = (scores + r.e_score_correction_bias).topk(r.top_k, -1).indices
+    assert torch.equal(idx.sort(-1).values, want.sort(-1).values)
+
+
+def test_a_large_bias_forces_an_expert_in():
+    r = router(n_group=1, topk_group=1)
+    r.e_score_correction_bias[5] = 10.0
+    _, idx = r(torch.randn(32, 64))
+    assert (idx == 5).any(-1).all()
+
+
+def test_group_limiting_keeps_experts_inside_the_best_groups():
+    r = router(n_routed_experts=8, n_group=4, topk_group=2, num_experts_per_tok=3)
+    r.e_score_correction_bias.copy_(torch.randn(8) * 0.2)
+    x = torch.randn(200, 64)
+    _, idx = r(x)
+    s = torch.sigmoid(x @ r.weight.T) + r.e_score_correction_bias
+    group_score = s.view(200, 4, 2).topk(2, -1).values.sum(-1)  # each group's two best, summed
+    best = group_score.topk(2, -1).indices
+    allowed = torch.zeros(200, 4, dtype=torch.bool).scatter(1, best, True).repeat_interleave(2, 1)
+    assert allowed.gather(1, idx).all()
+    # and within the allowed experts it is plain top-k of s + b
+    want = s.masked_fill(~allowed, -float("inf")).topk(3, -1).indices
+    assert torch.equal(idx.sort(-1).values, want.sort(-1).values)
+    # without the limit, some tokens would pick outside those groups (so the test has teeth)
+    free = s.topk(3, -1).indices
+    assert not allowed.gather(1, free).all()
+
+
+def test_batched_dispatch_equals_a_per_token_reference():
+    torch.manual_seed(0)
+    moe = MoE(tiny())
+    for p in moe.parameters():
+        torch.nn.init.normal_(p, std=0.1)
+    x = torch.randn(37, 64)
+    weights, idx = moe.gate(x)
+    ref = torch.stack([
+        sum(weights[n, j] * moe.experts.expert(int(idx[n, j]), x[n:n + 1])[0] for j in range(idx.shape[1]))
+        for n in range(x.shape[0])
+    ]) + moe.shared_experts(x)
+    torch.testing.assert_close(moe(x), ref, atol=1e-6, rtol=1e-5)
+
+
+def test_bias_updates_drive_a_skewed_router_toward_uniform_load():
+    torch.manual_seed(0)
+    moe = MoE(tiny(n_group=1, topk_group=1, n_routed_experts=8, num_experts_per_tok=2)).train()
+    for p in moe.parameters():
+        torch.nn.init.normal_(p, std=0.1)
+    with torch.no_grad():  # a feature that is always on pushes experts 0 and 1 up for every token
+        moe.gate.weight[:, 0] = 0.0
+        moe.gate.weight[:2, 0] = 2.0
+    gen = torch.Generator().manual_seed(1)
+
+    def tokens(n: int) -> torch.Tensor:
+        x = torch.randn(n, 64, generator=gen)
+        x[:, 0] = 1.0
+        return x
+
+    held_out = tokens(4096)
+
+    def load_spread() -> float:  # coefficient of variation of the per-expert load
+        _, idx = moe.gate(held_out)
+        load = torch.bincount(idx.flatten(), minlength=8).float()
+        return float(load.std() / load.mean())
+
+    start = load_spread()
+    with torch.no_grad():
+        for _ in range(200):
+            moe(tokens(256))
+            balance_moe_bias(moe, gamma=0.003)
+    end = load_spread()
+    assert start > 1.0 and end < 0.15, (start, end)
+    assert abs(float(moe.gate.e_score_correction_bias.sum())) < 1e-4  # centred updates
+    assert int(moe.load.sum()) == 0  # counts restart after each update
+
+
+def test_bias_and_loads_keep_their_precision_under_bf16():
+    moe = MoE(tiny()).to(torch.bfloat16)
+    assert moe.gate.e_score_correction_bias.dtype == torch.float32
+    assert moe.load.dtype == torch.int64
+    assert moe.gate.weight.dtype == torch.bfloat16

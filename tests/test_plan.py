@@ -1,0 +1,70 @@
+"""`horizon plan`: counts from the built modules, the 2.8t targets, and the CLI contract."""
+
+import json
+import subprocess
+import sys
+
+import pytest
+
+from horizon import ModelConfig
+from horizon.cli import main
+from horizon.plan import plan
+
+from .conftest import tiny, tiny_model
+
+
+def test_2_8t_plan_meets_the_seeds_numbers(capsys):
+    assert main(["plan", "--preset", "2.8t", "--json"]) == 0
+    p = json.loads(capsys.readouterr().out)
+    assert p["num_layers"] == 93 and p["num_dsa_layers"] == 24 and p["num_kda_layers"] == 69
+    assert abs(p["total_params"] / 2.8e12 - 1) < 0.02
+    assert abs(p["active_params"] / 1.04e11 - 1) < 0.03
+    for key in ("weight_bytes_bf16", "weight_bytes_mxfp4", "cache_bytes_per_token", "kda_state_bytes",
+                "cache_bytes_at_context", "min_gpus_141gb"):
+        assert isinstance(p[key], int) and p[key] > 0
+    assert p["weight_bytes_bf16"] == 2 * p["total_params"]
+    cfg = ModelConfig.preset("2.8t")
+    per_token = 24 * (cfg.kv_lora_rank + cfg.qk_rope_head_dim + cfg.index_head_dim) * 2
+    assert p["cache_bytes_per_token"] == per_token
+    assert p["cache_bytes_at_context"] == per_token * 1_048_576
+    need = p["weight_bytes_mxfp4"] + p["cache_bytes_at_context"] + p["kda_state_bytes"]
+    assert (p["min_gpus_141gb"] - 1) * 141e9 < need <= p["min_gpus_141gb"] * 141e9
+
+
+def test_tiny_plan_equals_a_real_models_parameter_count():
+    model = tiny_model()
+    p = plan(model.config)
+    assert p["total_params"] == sum(t.numel() for t in model.parameters())
+    cfg = model.config
+    experts = sum(t.numel() for n, t in model.named_parameters() if ".experts." in n)
+    assert p["active_params"] == p["total_params"] - experts + experts * cfg.num_experts_per_tok // cfg.n_routed_experts
+
+
+def test_changing_one_dimension_moves_the_count_by_what_the_architecture_implies():
+    base = plan(tiny())
+    cfg = tiny()
+    d, E, k, ns = cfg.hidden_size, cfg.n_routed_experts, cfg.num_experts_per_tok, cfg.n_shared_experts
+    n_moe = cfg.num_layers - cfg.first_k_dense
+    wider = plan(tiny(moe_intermediate_size=cfg.moe_intermediate_size + 1))
+    assert wider["total_params"] - base["total_params"] == n_moe * 3 * d * (E + ns)
+    assert wider["active_params"] - base["active_params"] == n_moe * 3 * d * (k + ns)
+    assert plan(tiny(vocab_size=cfg.vocab_size + 1))["total_params"] - base["total_params"] == 2 * d
+    assert plan(tiny(tie_word_embeddings=True))["total_params"] == base["total_params"] - cfg.vocab_size * d
+    dk, kernel = cfg.kda_head_dim, cfg.kda_conv_size
+    per_kda_head = 4 * d * dk + 3 * dk * kernel + 2 * dk * dk + dk + 1 + d  # q k v o, conv, f_b g_b, dt, A, beta
+    more_heads = plan(tiny(kda_num_heads=cfg.kda_num_heads + 1))
+    assert more_heads["total_params"] - base["total_params"] == len(cfg.kda_layers) * per_kda_head
+
+
+def test_plan_rejects_a_context_beyond_the_window():
+    with pytest.raises(ValueError, match="max_position_embeddings=8192"):
+        plan(tiny(), context=10_000)
+
+
+def test_plan_command_prints_a_table():
+    out = subprocess.run([sys.executable, "-m", "horizon.cli", "plan", "--preset", "2.8t"],
+                         capture_output=True, text=True, check=True).stdout
+    assert "93 = 24 Gated DSA + 69 KDA" in out and "141 GB GPUs" in out
+    bad = subprocess.run([sys.executable, "-m", "horizon.cli", "plan", "--preset", "2.8t", "--context", "0"],
+                         capture_output=True, text=True)
+    assert bad.returncode == 2 and "context=0" in bad.stderr and "Traceback" not in bad.stderr
