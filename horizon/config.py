@@ -15,12 +15,13 @@ import dataclasses
 import json
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
-import torch
+if TYPE_CHECKING:
+    import torch
 
 LAYER_TYPES = ("kda", "dsa")
-DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
+DTYPES = ("float32", "bfloat16", "float16")  # torch dtype names; torch is imported only when needed
 MLA_ROPE = ("none", "interleaved", "half")
 # Keys other tools put in config.json that carry no architecture; accepted and ignored on load.
 _METADATA_KEYS = {"model_type", "architectures", "transformers_version", "torch_dtype", "horizon_version"}
@@ -158,7 +159,9 @@ class ModelConfig:
     # --- derived ---------------------------------------------------------------------------------
     @property
     def torch_dtype(self) -> torch.dtype:
-        return DTYPES[self.dtype]
+        import torch
+
+        return getattr(torch, self.dtype)
 
     @property
     def qk_head_dim(self) -> int:

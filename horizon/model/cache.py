@@ -20,6 +20,17 @@ from horizon.config import ModelConfig
 from horizon.model.batch import Batch
 
 
+def gather_positions(rows: torch.Tensor, idx: torch.Tensor, slots: torch.Tensor | None = None) -> torch.Tensor:
+    """rows [S, L, w], idx [B, T, k] positions of sequence b (held in slot slots[b], default b) -> [B, T, k, w].
+
+    One index_select on the flattened rows: a plain row copy, faster on CPU than advanced indexing.
+    """
+    S, L, w = rows.shape
+    slots = torch.arange(idx.shape[0], device=idx.device) if slots is None else slots
+    flat = (slots[:, None, None] * L + idx).flatten()
+    return rows.reshape(S * L, w).index_select(0, flat).view(*idx.shape, w)
+
+
 class KDAStateCache:
     def __init__(self, cfg: ModelConfig, num_slots: int, dtype: torch.dtype, device):
         H, dk = cfg.kda_num_heads, cfg.kda_head_dim
@@ -60,7 +71,7 @@ class LatentCache:
 
     def gather(self, batch: Batch, idx: torch.Tensor) -> torch.Tensor:
         """[B, T, k, width]: the latent rows at positions idx [B, T, k] (the sparse selection)."""
-        return self.latent[batch.slots[:, None, None], idx]
+        return gather_positions(self.latent, idx, batch.slots)
 
     def index_keys(self, batch: Batch) -> torch.Tensor:
         """[B, L, index_head_dim]: every cached indexer key up to the batch's longest context."""
@@ -83,8 +94,7 @@ class StepContext:
         return self.latent
 
     def gather(self, batch: Batch, idx: torch.Tensor) -> torch.Tensor:
-        b = torch.arange(idx.shape[0], device=idx.device)[:, None, None]
-        return self.latent[b, idx]
+        return gather_positions(self.latent, idx)
 
     def index_keys(self, batch: Batch) -> torch.Tensor:
         return self.index

@@ -33,8 +33,9 @@ from horizon.model.batch import Batch
 from horizon.model.cache import StepContext
 from horizon.model.layers import RMSNorm, apply_rope
 
-# Elements of one indexer score tile [B, tile, H_I, L]; bounds the indexer's working memory.
-INDEX_TILE_ELEMENTS = 1 << 22
+# Elements of one query tile's working set ([B, tile, H_I, L] indexer scores, [B, tile, k, width]
+# gathered rows); bounds the sparse path's memory whatever the context length.
+INDEX_TILE_ELEMENTS = 1 << 23
 
 
 def topk_recent_first(scores: torch.Tensor, k: int) -> torch.Tensor:
@@ -49,7 +50,7 @@ def topk_recent_first(scores: torch.Tensor, k: int) -> torch.Tensor:
     bits = s.view(torch.int32).long()
     key = torch.where(bits < 0, bits ^ 0x7FFFFFFF, bits)
     pos = torch.arange(s.shape[-1], device=s.device)
-    return (key * (1 << 32) + pos).topk(k, dim=-1).values & 0xFFFFFFFF
+    return (key * (1 << 32) + pos).topk(k, dim=-1, sorted=False).values & 0xFFFFFFFF
 
 
 def gather_rows(ctx, batch: Batch, idx: torch.Tensor) -> torch.Tensor:
@@ -92,8 +93,12 @@ class LightningIndexer(nn.Module):
         return q, w
 
     def scores(self, q: torch.Tensor, w: torch.Tensor, keys: torch.Tensor) -> torch.Tensor:
-        """I [B, t, L] for queries q [B, t, H_I, d_I], weights w [B, t, H_I], keys [B, L, d_I] (fp32)."""
-        s = torch.einsum("bthd,bsd->bths", q.float(), keys.float()).relu_()
+        """I [B, t, L] (fp32) for queries q [B, t, H_I, d_I], weights w [B, t, H_I], keys [B, L, d_I].
+
+        The q.k products run in the keys' dtype (bf16 in a bf16 model, as DeepSeek runs its
+        indexer in FP8); the ReLU and the weighted sum over heads in fp32.
+        """
+        s = torch.einsum("bthd,bsd->bths", q.to(keys.dtype), keys).float().relu_()
         return torch.einsum("bths,bth->bts", s, w * self.head_dim**-0.5)
 
     def select(self, q, w, keys, q_pos, ctx_len, k: int) -> torch.Tensor:
@@ -187,17 +192,21 @@ class GatedDSA(nn.Module):
         return torch.einsum("bths,btshv->bthv", probs, v[b, idx].float())
 
     def _absorbed(self, q_nope, q_pe, rows, visible):
-        """MQA over the latent: rows [B, T, S, width] per query (sparse) or [B, S, width] shared (dense)."""
+        """MQA over the latent: rows [B, T, S, width] per query (sparse) or [B, S, width] shared (dense).
+
+        Products with the rows run in the rows' dtype (bf16 in a bf16 model, fp32 accumulation),
+        the softmax in fp32.
+        """
         w_uk, w_uv = self._w_kvb()
+        dt = rows.dtype
         q_lat = torch.einsum("bthd,hdr->bthr", q_nope.float(), w_uk.float())  # W_kvb's key part into q
-        c, k_pe = rows[..., : self.kv_rank].float(), rows[..., self.kv_rank:].float()
-        per_query = rows.dim() == 4
-        sub = "btsr" if per_query else "bsr"
-        scores = (torch.einsum(f"bthr,{sub}->bths", q_lat, c)
-                  + torch.einsum(f"bthe,{sub.replace('r', 'e')}->bths", q_pe.float(), k_pe)) * self.scale
-        probs = masked_softmax(scores, visible[:, :, None, :])
-        o_lat = torch.einsum(f"bths,{sub}->bthr", probs, c)
-        return torch.einsum("bthr,hvr->bthv", o_lat, w_uv.float())  # W_kvb's value part on the output
+        q = torch.cat((q_lat, q_pe.float()), -1).to(dt)  # [B, T, H, kv_rank + rope] against [c_kv | k_pe]
+        sub = "btsr" if rows.dim() == 4 else "bsr"
+        scores = torch.einsum(f"bthr,{sub}->bths", q, rows).float() * self.scale
+        probs = masked_softmax(scores, visible[:, :, None, :]).to(dt)
+        # contract with whole rows (a slice would copy every gathered row); drop the k_pe part after
+        o_lat = torch.einsum(f"bths,{sub}->bthr", probs, rows)[..., : self.kv_rank]
+        return torch.einsum("bthr,hvr->bthv", o_lat.float(), w_uv.float())  # W_kvb's value part on the output
 
     def _sparse(self, x, c_q, q_nope, q_pe, ctx, batch, q_pos, ctx_len, form):
         """Indexer selection + attention over the selected rows, a tile of queries at a time.
