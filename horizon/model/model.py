@@ -105,6 +105,12 @@ class HorizonForCausalLM(nn.Module):
         if self.config.tie_word_embeddings:
             self.lm_head.weight = self.embed.weight
 
+    def reset_runtime_state(self) -> None:
+        """Zero the bookkeeping that is not a weight (MoE load counts); after to_empty() or a load."""
+        for module in self.modules():
+            if isinstance(module, MoE):
+                module.load.zero_()
+
     # --- caches --------------------------------------------------------------------------------
     def new_cache(self, num_slots: int, max_len: int) -> HorizonCache:
         """An empty decode cache for `num_slots` sequences of up to `max_len` tokens."""

@@ -39,7 +39,8 @@ class Router(nn.Module):
         # conversion it follows the weight's device and stays fp32
         bias = self.e_score_correction_bias
         super()._apply(fn, recurse)
-        self.e_score_correction_bias = bias.to(self.weight.device)
+        if self.e_score_correction_bias.dtype != torch.float32:  # a dtype cast: redo it from the fp32 original
+            self.e_score_correction_bias = bias.to(self.e_score_correction_bias.device)
         return self
 
     def forward(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
