@@ -33,6 +33,9 @@ from safetensors.torch import save_file
 
 from horizon.config import ModelConfig
 from horizon.model.model import HorizonForCausalLM
+from horizon.quant import canonical_name as _canonical_name  # `<name>.blocks` (gpt-oss) -> `<name>_blocks`
+from horizon.quant import empty_quantized_model
+from horizon.quant.mxfp4 import quantize as mxfp4_quantize
 
 CONFIG = "config.json"
 GENERATION_CONFIG = "generation_config.json"
@@ -130,8 +133,6 @@ def build_model(config: ModelConfig, dtype: torch.dtype | None = None, device="c
     with torch.device("meta"):
         model = HorizonForCausalLM(config, init=False)
     if quantization == "mxfp4":
-        from horizon.quant import empty_quantized_model
-
         empty_quantized_model(model)
     model = model.to(dtype or config.torch_dtype)
     model.to_empty(device=device)
@@ -165,8 +166,6 @@ def _stored(pairs, quantize: str | None) -> Iterator[tuple[str, torch.Tensor]]:
     """The (name, tensor) pairs as written: routed experts become `<name>_blocks` / `<name>_scales` with mxfp4."""
     for name, tensor in pairs:
         if quantize == "mxfp4" and _is_routed_expert(name) and tensor.is_floating_point():
-            from horizon.quant.mxfp4 import quantize as mxfp4_quantize
-
             blocks, scales = mxfp4_quantize(tensor)
             yield f"{name}_blocks", blocks
             yield f"{name}_scales", scales
@@ -327,18 +326,13 @@ def load(path: str | Path, dtype: torch.dtype | None = None, device="cpu") -> Ho
         from horizon import interop
 
         family = interop.family(model_type, path / CONFIG)
-        config = family.config_from_hf(raw)
+        try:
+            config = family.config_from_hf(raw)
+        except ValueError as e:
+            raise ValueError(f"{path / CONFIG}: {e}") from None
         store = TensorStore(path)
         model = build_model(config, dtype, device)
         fill_model(model, family.convert_tensors(store, config))
     if model.config.tie_word_embeddings:
         model.lm_head.weight = model.embed.weight
     return model.eval()
-
-
-def _canonical_name(name: str) -> str:
-    """gpt-oss's original release names MXFP4 tensors `<name>.blocks`; Horizon's are `<name>_blocks`."""
-    for suffix in ("blocks", "scales"):
-        if name.endswith("." + suffix):
-            return name[: -len(suffix) - 1] + "_" + suffix
-    return name

@@ -63,7 +63,9 @@ def _cmd_convert(args: argparse.Namespace) -> int:
     if args.to_dsa:
         from horizon.interop.convert import to_dsa
 
-        model = to_dsa(model)
+        sizes = {k: v for k, v in (("index_topk", args.index_topk), ("index_n_heads", args.index_heads),
+                                   ("index_head_dim", args.index_head_dim)) if v is not None}
+        model = to_dsa(model, **sizes)
     dst = Path(args.dst)
     dst.mkdir(parents=True, exist_ok=True)
     if (Path(args.src) / TOKENIZER).exists():  # keep the model's own tokenizer
@@ -99,6 +101,9 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--quantize", choices=["mxfp4"], default=None, help="store the routed experts as MXFP4")
     p.add_argument("--to-dsa", action="store_true",
                    help="turn plain MLA layers into Gated DSA (fresh indexer and output gate, same logits)")
+    p.add_argument("--index-topk", type=int, default=None, help="with --to-dsa: positions kept per query (2048)")
+    p.add_argument("--index-heads", type=int, default=None, help="with --to-dsa: indexer heads (clamp(heads, 8, 64))")
+    p.add_argument("--index-head-dim", type=int, default=None, help="with --to-dsa: indexer head dim (64 or 128)")
     p.add_argument("--dtype", choices=["float32", "bfloat16", "float16"], default=None)
     p.set_defaults(func=_cmd_convert)
     return parser

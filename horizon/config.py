@@ -23,6 +23,9 @@ if TYPE_CHECKING:
 LAYER_TYPES = ("kda", "dsa")
 DTYPES = ("float32", "bfloat16", "float16")  # torch dtype names; torch is imported only when needed
 MLA_ROPE = ("none", "interleaved", "half")
+# Keys of `rope_scaling` (YaRN, as DeepSeek-V3.2 and transformers' `rope_parameters` spell them).
+YARN_KEYS = {"type", "factor", "original_max_position_embeddings", "beta_fast", "beta_slow", "mscale",
+             "mscale_all_dim", "attention_factor", "truncate"}
 # Keys other tools put in config.json that carry no architecture; accepted and ignored on load.
 _METADATA_KEYS = {"model_type", "architectures", "transformers_version", "torch_dtype", "horizon_version"}
 
@@ -42,6 +45,9 @@ class ModelConfig:
     # None at construction means default_layer_types(num_layers).
     layer_types: list[str] | None = None
     first_k_dense: int = 1  # the first k layers use a dense SwiGLU MLP, the rest MoE
+    # Explicit dense-MLP layers (0-based) for imported models whose dense layers are not a prefix;
+    # None: the first `first_k_dense`. When set, first_k_dense must be 0.
+    dense_layers: list[int] | None = None
     intermediate_size: int = 128  # dense MLP width
     max_position_embeddings: int = 4096  # the context window
     rms_norm_eps: float = 1e-6
@@ -68,6 +74,15 @@ class ModelConfig:
     rope_theta: float = 10000.0
     dsa_gate_rank: int = 16  # low-rank sigmoid output gate G; 0: no gate (plain MLA / DSA)
     attention_bias: bool = False  # bias on the latent down-projections (some imported models)
+    # eps of the MLA latent RMSNorms (c_q, c_kv); None: rms_norm_eps. Kimi Linear and DeepSeek-V3.2
+    # use 1e-6 there whatever eps their block norms use.
+    mla_norm_eps: float | None = None
+    # YaRN context extension of every rotary embedding (DeepSeek-V3.2), None for plain RoPE:
+    # {"type": "yarn", "factor": s, "original_max_position_embeddings": n, and optionally "beta_fast"
+    # (32), "beta_slow" (1), "mscale", "mscale_all_dim", "attention_factor", "truncate" (true)}, read
+    # as transformers reads them. It rescales the frequencies and the rotated slice, and multiplies
+    # the MLA softmax scale by (0.1 * mscale_all_dim * ln s + 1)^2.
+    rope_scaling: dict[str, Any] | None = None
 
     # --- Gated DSA: lightning indexer ------------------------------------------------------------
     index_n_heads: int = 8  # H_I; 0: no indexer (dense MLA, the "previous generation")
@@ -94,6 +109,8 @@ class ModelConfig:
             self.layer_types = default_layer_types(self.num_layers)
         else:
             self.layer_types = list(self.layer_types)
+        if isinstance(self.dense_layers, tuple):
+            self.dense_layers = list(self.dense_layers)
         self.validate()
 
     # --- validation ------------------------------------------------------------------------------
@@ -129,6 +146,17 @@ class ModelConfig:
             fail("layer_types", f"unknown type(s) {bad}; allowed: {', '.join(LAYER_TYPES)}")
         if self.first_k_dense > self.num_layers:
             fail("first_k_dense", f"must be <= num_layers ({self.num_layers})")
+        if self.dense_layers is not None:
+            if self.first_k_dense:
+                fail("first_k_dense", "must be 0 when dense_layers lists the dense layers explicitly")
+            if (not isinstance(self.dense_layers, list) or len(set(self.dense_layers)) != len(self.dense_layers)
+                    or not all(isinstance(i, int) and 0 <= i < self.num_layers for i in self.dense_layers)):
+                fail("dense_layers", f"must be a list of distinct layer indices in [0, {self.num_layers})")
+        if self.mla_norm_eps is not None and (not isinstance(self.mla_norm_eps, (int, float))
+                                              or isinstance(self.mla_norm_eps, bool) or not self.mla_norm_eps > 0):
+            fail("mla_norm_eps", "must be null or a number > 0")
+        if self.rope_scaling is not None:
+            self._validate_rope_scaling(fail)
         if self.qk_nope_head_dim + self.qk_rope_head_dim < 1:
             fail("qk_nope_head_dim", "qk_nope_head_dim + qk_rope_head_dim must be >= 1")
         if self.mla_rope != "none" and (self.qk_rope_head_dim == 0 or self.qk_rope_head_dim % 2):
@@ -156,6 +184,25 @@ class ModelConfig:
         if not isinstance(self.extra, dict):
             fail("extra", "must be a JSON object")
 
+    def _validate_rope_scaling(self, fail) -> None:
+        rs = self.rope_scaling
+        if not isinstance(rs, dict) or rs.get("type") != "yarn":
+            fail("rope_scaling", 'must be null or an object with "type": "yarn" (the only scaling supported)')
+        unknown = sorted(set(rs) - YARN_KEYS)
+        if unknown:
+            fail("rope_scaling", f"unknown key(s) {unknown}; allowed: {sorted(YARN_KEYS)}")
+        for key in ("factor", "original_max_position_embeddings"):
+            if key not in rs:
+                fail("rope_scaling", f'needs "{key}"')
+        for key in ("factor", "original_max_position_embeddings", "beta_fast", "beta_slow", "attention_factor"):
+            v = rs.get(key)
+            if v is not None and (not isinstance(v, (int, float)) or isinstance(v, bool) or not v > 0):
+                fail("rope_scaling", f'"{key}" must be a number > 0')
+        for key in ("mscale", "mscale_all_dim"):
+            v = rs.get(key)
+            if v is not None and (not isinstance(v, (int, float)) or isinstance(v, bool) or v < 0):
+                fail("rope_scaling", f'"{key}" must be a number >= 0')
+
     # --- derived ---------------------------------------------------------------------------------
     @property
     def torch_dtype(self) -> torch.dtype:
@@ -175,7 +222,13 @@ class ModelConfig:
     def kda_layers(self) -> list[int]:
         return [i for i, t in enumerate(self.layer_types) if t == "kda"]
 
+    @property
+    def mla_eps(self) -> float:
+        return self.rms_norm_eps if self.mla_norm_eps is None else self.mla_norm_eps
+
     def is_moe_layer(self, layer: int) -> bool:
+        if self.dense_layers is not None:
+            return layer not in self.dense_layers
         return layer >= self.first_k_dense
 
     # --- serialisation ---------------------------------------------------------------------------

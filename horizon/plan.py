@@ -37,7 +37,11 @@ def mxfp4_nbytes(shape: torch.Size) -> int:
 
 
 def count_parameters(model: torch.nn.Module) -> dict[str, int]:
-    """total, routed (expert) and active parameter counts of a built model."""
+    """total, routed (expert) and active parameter counts of a built, unquantised model.
+
+    (A quantised model holds its experts as uint8 buffers, which are not parameters: plan() always
+    counts a fresh meta-device model instead.)
+    """
     total = routed = active_routed = 0
     for p in model.parameters():  # parameters() yields a tied tensor once
         total += p.numel()

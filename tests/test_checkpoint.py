@@ -143,3 +143,17 @@ def test_nothing_in_horizon_uses_pickle():
                  if re.search(r"\bimport pickle\b|\bpickle\.|torch\.load\(|torch\.save\(|weights_only",
                               p.read_text())]
     assert not offenders
+
+
+def test_quantize_command_equals_saving_quantized(tmp_path, capsys):
+    model = tiny_model()
+    horizon.save(model, tmp_path / "full")
+    horizon.save(model, tmp_path / "direct", quantize="mxfp4")
+    assert main(["quantize", str(tmp_path / "full"), str(tmp_path / "q")]) == 0
+    config = json.loads((tmp_path / "q" / "config.json").read_text())
+    assert config["quantization_config"]["quant_method"] == "mxfp4"
+    stored = load_file(tmp_path / "q" / WEIGHTS)
+    assert stored["layers.1.mlp.experts.gate_up_proj_blocks"].dtype == torch.uint8
+    assert "layers.1.mlp.experts.gate_up_proj" not in stored
+    assert torch.equal(logits(horizon.load(tmp_path / "q")), logits(horizon.load(tmp_path / "direct")))
+    assert main(["quantize", str(tmp_path / "full"), str(tmp_path / "full")]) == 2  # refuses to overwrite its source

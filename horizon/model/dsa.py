@@ -31,7 +31,7 @@ from torch import nn
 from horizon.config import ModelConfig
 from horizon.model.batch import Batch
 from horizon.model.cache import StepContext
-from horizon.model.layers import RMSNorm, apply_rope
+from horizon.model.layers import RMSNorm, apply_rope, rope_softmax_factor
 
 # Elements of one query tile's working set ([B, tile, H_I, L] indexer scores, [B, tile, k, width]
 # gathered rows); bounds the sparse path's memory whatever the context length.
@@ -69,7 +69,7 @@ class LightningIndexer(nn.Module):
     def __init__(self, cfg: ModelConfig):
         super().__init__()
         self.n_heads, self.head_dim, self.topk = cfg.index_n_heads, cfg.index_head_dim, cfg.index_topk
-        self.rope_dim, self.rope_theta = cfg.index_rope_dim, cfg.rope_theta
+        self.rope_dim, self.rope_theta, self.rope_scaling = cfg.index_rope_dim, cfg.rope_theta, cfg.rope_scaling
         q_in = cfg.q_lora_rank or cfg.hidden_size  # c_q, or the (already RMS-normed) layer input
         self.wq = nn.Linear(q_in, self.n_heads * self.head_dim, bias=False)
         self.wk = nn.Linear(cfg.hidden_size, self.head_dim, bias=False)
@@ -80,7 +80,8 @@ class LightningIndexer(nn.Module):
         if not self.rope_dim:
             return x
         r = self.rope_dim
-        return torch.cat((apply_rope(x[..., :r], positions, self.rope_theta, interleaved=False), x[..., r:]), -1)
+        rotated = apply_rope(x[..., :r], positions, self.rope_theta, interleaved=False, scaling=self.rope_scaling)
+        return torch.cat((rotated, x[..., r:]), -1)
 
     def keys(self, x: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
         """k^I [N, d_I]: one key per token shared by all index heads; cached."""
@@ -120,17 +121,18 @@ class GatedDSA(nn.Module):
         self.num_heads, H = cfg.num_heads, cfg.num_heads
         self.nope, self.rope, self.v_dim = cfg.qk_nope_head_dim, cfg.qk_rope_head_dim, cfg.v_head_dim
         self.kv_rank, self.q_rank = cfg.kv_lora_rank, cfg.q_lora_rank
-        self.mla_rope, self.rope_theta = cfg.mla_rope, cfg.rope_theta
-        self.scale = cfg.qk_head_dim**-0.5
+        self.mla_rope, self.rope_theta, self.rope_scaling = cfg.mla_rope, cfg.rope_theta, cfg.rope_scaling
+        # (d_nope + d_rope)^-1/2, times YaRN's mscale^2 when the rotary embedding is extended
+        self.scale = cfg.qk_head_dim**-0.5 * rope_softmax_factor(cfg.rope_scaling)
         d = cfg.hidden_size
         if self.q_rank:
             self.wq_a = nn.Linear(d, self.q_rank, bias=cfg.attention_bias)
-            self.q_norm = RMSNorm(self.q_rank, cfg.rms_norm_eps)
+            self.q_norm = RMSNorm(self.q_rank, cfg.mla_eps)
             self.wq_b = nn.Linear(self.q_rank, H * cfg.qk_head_dim, bias=False)
         else:
             self.wq = nn.Linear(d, H * cfg.qk_head_dim, bias=False)
         self.wkv_a = nn.Linear(d, self.kv_rank + self.rope, bias=cfg.attention_bias)
-        self.kv_norm = RMSNorm(self.kv_rank, cfg.rms_norm_eps)
+        self.kv_norm = RMSNorm(self.kv_rank, cfg.mla_eps)
         self.wkv_b = nn.Linear(self.kv_rank, H * (self.nope + self.v_dim), bias=False)
         self.wo = nn.Linear(H * self.v_dim, d, bias=cfg.attention_bias)
         self.gate_rank = cfg.dsa_gate_rank
@@ -156,8 +158,8 @@ class GatedDSA(nn.Module):
         c_kv, k_pe = self.wkv_a(x).split((self.kv_rank, self.rope), -1)
         if self.mla_rope != "none":
             inter = self.mla_rope == "interleaved"
-            q_pe = apply_rope(q_pe, positions, self.rope_theta, inter)
-            k_pe = apply_rope(k_pe, positions, self.rope_theta, inter)
+            q_pe = apply_rope(q_pe, positions, self.rope_theta, inter, self.rope_scaling)
+            k_pe = apply_rope(k_pe, positions, self.rope_theta, inter, self.rope_scaling)
         return q_nope, q_pe, c_q, torch.cat((self.kv_norm(c_kv), k_pe), dim=-1)
 
     def _w_kvb(self) -> tuple[torch.Tensor, torch.Tensor]:
@@ -166,14 +168,21 @@ class GatedDSA(nn.Module):
         return w[:, : self.nope], w[:, self.nope:]
 
     # --- attention forms -----------------------------------------------------------------------
-    def _expanded_dense(self, q_nope, q_pe, rows, visible):
-        """Dense attention after expanding the context rows [B, L, width] with W_kvb."""
+    def _expanded_dense(self, q_nope, q_pe, rows, visible, plain_causal: bool = False):
+        """Dense attention after expanding the context rows [B, L, width] with W_kvb.
+
+        plain_causal: `visible` is exactly the causal triangle (every row full, no cache), so SDPA
+        can use its causal kernel instead of reading a mask.
+        """
         B, L = rows.shape[:2]
         kv = self.wkv_b(rows[..., : self.kv_rank]).view(B, L, self.num_heads, self.nope + self.v_dim)
         k_nope, v = kv.split((self.nope, self.v_dim), -1)
         k_pe = rows[..., self.kv_rank:][:, :, None, :].expand(-1, -1, self.num_heads, -1)
         q = torch.cat((q_nope, q_pe), -1).transpose(1, 2)  # [B, H, T, dq]
         k = torch.cat((k_nope, k_pe), -1).transpose(1, 2)  # [B, H, L, dq]
+        if plain_causal:
+            out = F.scaled_dot_product_attention(q, k, v.transpose(1, 2), is_causal=True, scale=self.scale)
+            return out.transpose(1, 2)
         out = F.scaled_dot_product_attention(q, k, v.transpose(1, 2), attn_mask=visible[:, None],
                                              scale=self.scale)
         # a query that sees nothing (only padding rows can) gives NaN from SDPA; zero it
@@ -264,7 +273,7 @@ class GatedDSA(nn.Module):
             if form == "absorbed" or (form == "auto" and decode):
                 o = self._absorbed(q_nope, q_pe, rows, visible)
             else:
-                o = self._expanded_dense(q_nope, q_pe, rows, visible)
+                o = self._expanded_dense(q_nope, q_pe, rows, visible, plain_causal=cache is None and batch.uniform)
         else:
             o = self._sparse(x, c_q, q_nope, q_pe, ctx, batch, q_pos, ctx_len, form)
         o = batch.unpad(o).to(x.dtype)  # [N, H, v]

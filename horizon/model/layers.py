@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import math
+
 import torch
 import torch.nn.functional as F
 from torch import nn
@@ -48,17 +50,68 @@ class MLP(nn.Module):
         return self.down_proj(F.silu(self.gate_proj(x)) * self.up_proj(x))
 
 
-def apply_rope(x: torch.Tensor, positions: torch.Tensor, theta: float, interleaved: bool) -> torch.Tensor:
+def yarn_mscale(scale: float, mscale: float = 1.0) -> float:
+    """YaRN's attention temperature factor 0.1 * mscale * ln(scale) + 1 (1 when not extending)."""
+    return 1.0 if scale <= 1 else 0.1 * mscale * math.log(scale) + 1.0
+
+
+def rope_frequencies(d: int, theta: float, scaling: dict | None = None,
+                     device=None) -> tuple[torch.Tensor, float]:
+    """Inverse frequencies [d/2] (fp32) and the factor on cos/sin, for plain RoPE or YaRN.
+
+    YaRN (`scaling`, see ModelConfig.rope_scaling) as transformers computes it: dimensions that turn
+    fewer than beta_slow times over the original context are interpolated (frequency / factor),
+    those turning more than beta_fast times are kept, with a linear ramp between.
+    """
+    exponents = torch.arange(0, d, 2, device=device, dtype=torch.float32) / d
+    if scaling is None:
+        return theta ** (-exponents), 1.0
+    pos_freqs = theta**exponents
+    factor, orig = scaling["factor"], scaling["original_max_position_embeddings"]
+    mscale, mscale_all = scaling.get("mscale"), scaling.get("mscale_all_dim")
+    attention_factor = scaling.get("attention_factor")
+    if attention_factor is None:
+        attention_factor = (yarn_mscale(factor, mscale) / yarn_mscale(factor, mscale_all) if mscale and mscale_all
+                            else yarn_mscale(factor))
+    beta_fast, beta_slow = scaling.get("beta_fast") or 32, scaling.get("beta_slow") or 1
+
+    def correction_dim(rotations: float) -> float:
+        return d * math.log(orig / (rotations * 2 * math.pi)) / (2 * math.log(theta))
+
+    low, high = correction_dim(beta_fast), correction_dim(beta_slow)
+    if scaling.get("truncate", True):
+        low, high = math.floor(low), math.ceil(high)
+    low, high = max(low, 0), min(high, d - 1)
+    if low == high:
+        high += 0.001  # no zero-width ramp
+    ramp = ((torch.arange(d // 2, device=device, dtype=torch.float32) - low) / (high - low)).clamp(0, 1)
+    keep = 1 - ramp  # 1: extrapolate (original frequency), 0: interpolate (frequency / factor)
+    inv_freq = (1.0 / (factor * pos_freqs)) * (1 - keep) + (1.0 / pos_freqs) * keep
+    return inv_freq, float(attention_factor)
+
+
+def rope_softmax_factor(scaling: dict | None) -> float:
+    """What YaRN multiplies the attention softmax scale by: mscale(factor, mscale_all_dim)^2 (else 1)."""
+    if scaling is None or not scaling.get("mscale_all_dim"):
+        return 1.0
+    return yarn_mscale(scaling["factor"], scaling["mscale_all_dim"]) ** 2
+
+
+def apply_rope(x: torch.Tensor, positions: torch.Tensor, theta: float, interleaved: bool,
+               scaling: dict | None = None) -> torch.Tensor:
     """Rotate the last dim of x ([N, ..., d], d even) by absolute positions [N].
 
     interleaved: pairs (x0, x1), (x2, x3), ... rotate together (DeepSeek's MLA slice);
     otherwise half-split: pairs (x_i, x_{i+d/2}) (DeepSeek-V3.2's indexer).
+    scaling: YaRN parameters (ModelConfig.rope_scaling), or None for plain RoPE.
     """
     d = x.shape[-1]
-    inv_freq = theta ** (-torch.arange(0, d, 2, device=x.device, dtype=torch.float32) / d)
+    inv_freq, factor = rope_frequencies(d, theta, scaling, device=x.device)
     angles = positions.float()[:, None] * inv_freq[None, :]  # [N, d/2]
     shape = (angles.shape[0],) + (1,) * (x.dim() - 2) + (d // 2,)
     cos, sin = angles.cos().view(shape), angles.sin().view(shape)
+    if factor != 1.0:  # YaRN's attention factor scales cos and sin (the rotated slice)
+        cos, sin = cos * factor, sin * factor
     xf = x.float()
     if interleaved:
         a, b = xf[..., 0::2], xf[..., 1::2]

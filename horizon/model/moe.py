@@ -74,7 +74,11 @@ class Experts(nn.Module):
         return F.linear(F.silu(gate) * up, self.down_proj[e])
 
     def forward(self, x: torch.Tensor, weights: torch.Tensor, idx: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        """x [N, d], weights / idx [N, k] -> (sum_k weight * expert(x) [N, d], tokens per expert [E])."""
+        """x [N, d], weights / idx [N, k] -> (sum_k weight * expert(x) [N, d], tokens per expert [E]).
+
+        Touches the weights only through `self.expert(e, x)`: MXFP4Experts (horizon.quant) reuses
+        this dispatch and dequantises inside `expert`, one routed expert at a time.
+        """
         k = idx.shape[1]
         flat = idx.flatten()
         order = flat.argsort(stable=True)  # assignments grouped by expert

@@ -1,0 +1,204 @@
+"""MXFP4 against bf16 weights on the same model: resident bytes, logits error, and decode speed.
+
+Builds the `small` preset in bf16, copies it, and quantises the copy's routed experts (and with
+--attention its attention projections) with `horizon.quant.quantize_model`. In the same process it
+measures
+- resident weight bytes of both models, and of the quantised tensors alone (MXFP4 should be 4.25/16);
+- the rounding error of the expert weights, and the logits error of the MXFP4 model against the bf16
+  one on a few random prompts, beside the error that Gaussian noise of the same size on the expert
+  weights causes (the model is randomly initialised: this calibrates how sensitive it is);
+- decode speed: prefill a prompt into a cache, then decode one token at a time through
+  `model.forward_batch`, alternating the two models for --repeats rounds (the machine is shared,
+  so medians of interleaved runs); plus the time the per-step dequantisation alone takes.
+Prints one JSON object per measurement and a summary: byte ratios are MXFP4 / bf16 (smaller is better),
+decode_speedup is bf16 time / MXFP4 time (> 1: MXFP4 decodes faster).
+
+    python bench/mxfp4.py [--preset small] [--prompt 64] [--decode-steps 16] [--repeats 5] [--attention]
+                          [--threads N]
+"""
+
+from __future__ import annotations
+
+import argparse
+import copy
+import json
+import platform
+import statistics
+import time
+
+import torch
+
+from horizon import ModelConfig
+from horizon.model import Batch, HorizonForCausalLM
+from horizon.model.moe import Experts
+from horizon.quant import MXFP4Experts, MXFP4Linear, dequantize, quantize_model
+
+
+def resident_bytes(model: torch.nn.Module) -> int:
+    """Bytes of every parameter and buffer (a tied tensor once)."""
+    seen, total = set(), 0
+    for t in list(model.parameters()) + list(model.buffers()):
+        if t.data_ptr() not in seen:
+            seen.add(t.data_ptr())
+            total += t.numel() * t.element_size()
+    return total
+
+
+def quantised_bytes(full: torch.nn.Module, quant: torch.nn.Module) -> tuple[int, int]:
+    """(bytes in `full` of the tensors `quant` holds as MXFP4, bytes of their packed form)."""
+    packed = dict(quant.named_modules())
+    before = after = 0
+    for name, m in full.named_modules():
+        q = packed.get(name)
+        if isinstance(q, (MXFP4Experts, MXFP4Linear)):
+            before += sum(p.numel() * p.element_size() for n, p in m.named_parameters() if n != "bias")
+            after += sum(b.numel() * b.element_size() for b in q.buffers())
+    return before, after
+
+
+@torch.inference_mode()
+def weight_error(full: torch.nn.Module, quant: torch.nn.Module) -> float:
+    """Relative RMS rounding error of the quantised routed-expert weights (one layer's stack at a time)."""
+    err = ref = 0.0
+    packed = dict(quant.named_modules())
+    for name, m in full.named_modules():
+        if isinstance(m, Experts):
+            q = packed[name]
+            for w in ("gate_up_proj", "down_proj"):
+                exact = getattr(m, w).float()
+                rounded = dequantize(getattr(q, f"{w}_blocks"), getattr(q, f"{w}_scales"), torch.float32,
+                                     exact.shape[-1])
+                err += float((rounded - exact).pow(2).sum())
+                ref += float(exact.pow(2).sum())
+    return (err / ref) ** 0.5
+
+
+@torch.inference_mode()
+def with_expert_noise(full: HorizonForCausalLM, rel: float, seed: int) -> HorizonForCausalLM:
+    """A copy whose routed-expert weights get Gaussian noise of `rel` times each tensor's RMS: what an
+    unstructured error as large as MXFP4's rounding does to this model's logits (a calibration)."""
+    noisy = copy.deepcopy(full)
+    gen = torch.Generator().manual_seed(seed)
+    for m in noisy.modules():
+        if isinstance(m, Experts):
+            for w in (m.gate_up_proj, m.down_proj):
+                rms = w.float().pow(2).mean().sqrt()
+                w.add_((torch.randn(w.shape, generator=gen) * rms * rel).to(w.dtype))
+    return noisy
+
+
+@torch.inference_mode()
+def logits_error(full: HorizonForCausalLM, quant: HorizonForCausalLM, prompts: list[torch.Tensor]) -> dict:
+    rel, rms, cos, agree = [], [], [], []
+    for ids in prompts:
+        a, b = full(ids[None])[0], quant(ids[None])[0]  # fp32 logits [T, V]
+        rel.append(float((a - b).abs().max() / a.abs().max()))
+        rms.append(float((a - b).norm() / a.norm()))
+        cos.append(float(torch.nn.functional.cosine_similarity(a, b, dim=-1).mean()))
+        agree.append(float((a.argmax(-1) == b.argmax(-1)).float().mean()))
+    return {"max_abs_err_over_max_abs_logit": max(rel), "rms_err_over_rms_logit": statistics.mean(rms),
+            "mean_cosine": statistics.mean(cos),
+            "top1_agreement": statistics.mean(agree)}
+
+
+@torch.inference_mode()
+def decode_ms(model: HorizonForCausalLM, ids: torch.Tensor, steps: int) -> float:
+    """Milliseconds per decoded token after prefilling `ids` (greedy, batch of one)."""
+    cache = model.new_cache(1, ids.shape[0] + steps)
+    logits = model.forward_batch(ids, Batch.build([ids.shape[0]], slots=[0]), cache, last_only=True)
+    token = logits.argmax(-1)
+    t0 = time.perf_counter()
+    for _ in range(steps):
+        logits = model.forward_batch(token, Batch.build([1], start=cache.lens, slots=[0]), cache, last_only=True)
+        token = logits.argmax(-1)
+    return 1000 * (time.perf_counter() - t0) / steps
+
+
+@torch.inference_mode()
+def dequant_ms_per_step(model: HorizonForCausalLM, reps: int = 5) -> float:
+    """Milliseconds to decode what one token's step reads: k experts' two matrices in every MoE layer."""
+    experts = [m for m in model.modules() if isinstance(m, MXFP4Experts)]
+    k, dtype = model.config.num_experts_per_tok, model.embed.weight.dtype
+    t0 = time.perf_counter()
+    for _ in range(reps):
+        for m in experts:
+            for e in range(k):
+                m.weight("gate_up_proj", e, dtype)
+                m.weight("down_proj", e, dtype)
+    return 1000 * (time.perf_counter() - t0) / reps
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--preset", default="small")
+    ap.add_argument("--dtype", default="bfloat16")
+    ap.add_argument("--prompt", type=int, default=64, help="prompt length before decoding")
+    ap.add_argument("--decode-steps", type=int, default=16)
+    ap.add_argument("--repeats", type=int, default=5, help="interleaved rounds of bf16 / MXFP4 decoding")
+    ap.add_argument("--attention", action="store_true", help="also quantise the attention projections")
+    ap.add_argument("--threads", type=int, default=None, help="torch threads (default: torch's choice)")
+    ap.add_argument("--seed", type=int, default=0)
+    args = ap.parse_args()
+    if args.threads:
+        torch.set_num_threads(args.threads)
+
+    cfg = ModelConfig.preset(args.preset).replace(dtype=args.dtype)
+    torch.manual_seed(args.seed)
+    t0 = time.perf_counter()
+    full = HorizonForCausalLM(cfg).eval()
+    quant = quantize_model(copy.deepcopy(full), attention=args.attention)
+    build_s = time.perf_counter() - t0
+    n_experts = sum(1 for m in full.modules() if isinstance(m, Experts))
+
+    before, after = quantised_bytes(full, quant)
+    memory = {"resident_bytes_bf16": resident_bytes(full), "resident_bytes_mxfp4": resident_bytes(quant),
+              "quantised_tensors_bytes_bf16": before, "quantised_tensors_bytes_mxfp4": after,
+              "quantised_tensors_ratio": after / before, "expected_ratio": 4.25 / 16}
+    memory["resident_ratio"] = memory["resident_bytes_mxfp4"] / memory["resident_bytes_bf16"]
+    print(json.dumps({"memory": memory}), flush=True)
+
+    gen = torch.Generator().manual_seed(args.seed)
+    prompts = [torch.randint(0, cfg.vocab_size, (n,), generator=gen) for n in (16, 64, 128)]
+    error = logits_error(full, quant, prompts)
+    error["expert_weights_rms_rel_err"] = weight_error(full, quant)
+    noisy = with_expert_noise(full, error["expert_weights_rms_rel_err"], args.seed)
+    error["noise_baseline"] = logits_error(full, noisy, prompts)
+    del noisy
+    print(json.dumps({"logits": error}), flush=True)
+
+    ids = torch.randint(0, cfg.vocab_size, (args.prompt,), generator=gen)
+    decode_ms(full, ids, 2), decode_ms(quant, ids, 2)  # warm-up
+    times = {"bf16": [], "mxfp4": []}
+    for r in range(args.repeats):
+        order = (("bf16", full), ("mxfp4", quant)) if r % 2 == 0 else (("mxfp4", quant), ("bf16", full))
+        for name, model in order:
+            times[name].append(decode_ms(model, ids, args.decode_steps))
+        print(json.dumps({"round": r, "decode_ms_bf16": round(times["bf16"][-1], 2),
+                          "decode_ms_mxfp4": round(times["mxfp4"][-1], 2)}), flush=True)
+    bf16_ms, mxfp4_ms = statistics.median(times["bf16"]), statistics.median(times["mxfp4"])
+    dq_ms = statistics.median(dequant_ms_per_step(quant) for _ in range(3))
+
+    print(json.dumps({
+        "bench": "mxfp4", "preset": args.preset, "dtype": cfg.dtype, "attention_quantised": args.attention,
+        "moe_layers": n_experts, "experts_per_token": cfg.num_experts_per_tok,
+        "threads": torch.get_num_threads(), "machine": platform.processor() or platform.machine(),
+        "torch": torch.__version__, "build_s": round(build_s, 1),
+        "summary": {
+            "weights_ratio_quantised_tensors": round(memory["quantised_tensors_ratio"], 4),
+            "weights_ratio_whole_model": round(memory["resident_ratio"], 4),
+            "expert_weights_rms_rel_err": round(error["expert_weights_rms_rel_err"], 4),
+            "logits_max_rel_err": round(error["max_abs_err_over_max_abs_logit"], 4),
+            "logits_rms_rel_err": round(error["rms_err_over_rms_logit"], 4),
+            "logits_rms_rel_err_same_size_noise": round(error["noise_baseline"]["rms_err_over_rms_logit"], 4),
+            "logits_mean_cosine": round(error["mean_cosine"], 5),
+            "top1_agreement": round(error["top1_agreement"], 4),
+            "decode_ms_bf16": round(bf16_ms, 2), "decode_ms_mxfp4": round(mxfp4_ms, 2),
+            "decode_tok_per_s_bf16": round(1000 / bf16_ms, 2), "decode_tok_per_s_mxfp4": round(1000 / mxfp4_ms, 2),
+            "decode_speedup": round(bf16_ms / mxfp4_ms, 3),
+            "dequant_ms_per_step": round(dq_ms, 2),
+        },
+    }))
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,178 @@
+"""MXFP4 modules that keep the packed bytes resident, and the swaps that put them into a model.
+
+- `MXFP4Experts` replaces `horizon.model.moe.Experts` (same `forward(x, weights, idx)` and
+  `expert(e, x)`): the stacked gate_up_proj [E, 2f, d] and down_proj [E, d, f] are held as
+  `<name>_blocks` uint8 [E, rows, ceil(cols/32), 16] and `<name>_scales` uint8 [E, rows, ceil(cols/32)]
+  (transformers' gpt-oss naming). An expert is dequantised into the activation dtype only when a step
+  routes tokens to it, one expert at a time, so no full-precision copy of all experts ever exists.
+- `MXFP4Linear` does the same for one `nn.Linear` (`weight_blocks` / `weight_scales`, bias kept as is).
+- `quantize_model(model)` swaps every `Experts` in place for its MXFP4 form (and, with attention=True,
+  the attention projections in `ATTENTION_PROJECTIONS`); `empty_quantized_model(model)` swaps in
+  zero-filled modules of the right shapes (also on the meta device) for a checkpoint loader to fill.
+
+Never quantised (DESIGN 2): embeddings, norms, the router, every gate, the LM head.
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from horizon.model.dsa import GatedDSA
+from horizon.model.kda import KimiDeltaAttention
+from horizon.model.moe import Experts
+from horizon.quant.mxfp4 import BLOCK, BLOCK_BYTES, dequantize, quantize
+
+# The attention projections `quantize_model(attention=True)` stores as MXFP4: the big q/k/v/output
+# matrices. Left in full precision: KDA's f_a/f_b (the decay, its forget gate), b_proj (beta) and
+# g_a/g_b (output gate); DSA's gate_a/gate_b (output gate) and the lightning indexer (it chooses the
+# attended tokens, as the router chooses experts), besides the convolution, norms and scalars.
+ATTENTION_PROJECTIONS: dict[type[nn.Module], tuple[str, ...]] = {
+    KimiDeltaAttention: ("q_proj", "k_proj", "v_proj", "o_proj"),
+    GatedDSA: ("wq_a", "wq_b", "wq", "wkv_a", "wkv_b", "wo"),
+}
+
+
+def _packed_buffers(module: nn.Module, name: str, lead: tuple[int, ...], cols: int, device) -> None:
+    """Register zero-filled `<name>_blocks` / `<name>_scales` for a [*lead, cols] matrix stack."""
+    nb = -(-cols // BLOCK)
+    module.register_buffer(f"{name}_blocks", torch.zeros(*lead, nb, BLOCK_BYTES, dtype=torch.uint8, device=device))
+    module.register_buffer(f"{name}_scales", torch.zeros(*lead, nb, dtype=torch.uint8, device=device))
+
+
+def _quantized(weight: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    if weight.device.type == "meta":
+        raise ValueError("quantize_model needs real weights, got a model on the meta device; "
+                         "use empty_quantized_model to prepare one for loading packed weights")
+    return quantize(weight.detach())
+
+
+class MXFP4Experts(nn.Module):
+    """E SwiGLU experts in MXFP4: gate_up_proj [E, 2f, d] and down_proj [E, d, f] as packed bytes."""
+
+    def __init__(self, n_experts: int, dim: int, hidden: int, device=None):
+        super().__init__()
+        self.n_experts, self.dim, self.hidden = n_experts, dim, hidden
+        _packed_buffers(self, "gate_up_proj", (n_experts, 2 * hidden), dim, device)
+        _packed_buffers(self, "down_proj", (n_experts, dim), hidden, device)
+
+    @classmethod
+    def empty_like(cls, experts: Experts) -> MXFP4Experts:
+        E, d, f = experts.down_proj.shape
+        return cls(E, d, f, device=experts.down_proj.device)
+
+    @classmethod
+    @torch.no_grad()
+    def from_experts(cls, experts: Experts) -> MXFP4Experts:
+        new = cls.empty_like(experts)
+        new.gate_up_proj_blocks, new.gate_up_proj_scales = _quantized(experts.gate_up_proj)
+        new.down_proj_blocks, new.down_proj_scales = _quantized(experts.down_proj)
+        return new
+
+    def weight(self, name: str, e: int, dtype: torch.dtype) -> torch.Tensor:
+        """Expert e's `name` matrix ("gate_up_proj" [2f, d] or "down_proj" [d, f]) dequantised to dtype."""
+        cols = self.dim if name == "gate_up_proj" else self.hidden
+        return dequantize(getattr(self, f"{name}_blocks")[e], getattr(self, f"{name}_scales")[e], dtype, cols)
+
+    def expert(self, e: int, x: torch.Tensor) -> torch.Tensor:
+        gate, up = F.linear(x, self.weight("gate_up_proj", e, x.dtype)).chunk(2, dim=-1)
+        return F.linear(F.silu(gate) * up, self.weight("down_proj", e, x.dtype))
+
+    # The dispatch is Experts' own (sort assignments by expert, one call per expert that has tokens);
+    # only expert(e, x) differs, so experts nobody routes to are never dequantised.
+    forward = Experts.forward
+
+    def extra_repr(self) -> str:
+        return f"n_experts={self.n_experts}, dim={self.dim}, hidden={self.hidden}, mxfp4"
+
+
+class MXFP4Linear(nn.Module):
+    """y = x W^T + b with W [out, in] held as MXFP4 (`weight_blocks`, `weight_scales`); b stays as it was."""
+
+    def __init__(self, in_features: int, out_features: int, bias: bool = False, device=None, dtype=None):
+        super().__init__()
+        self.in_features, self.out_features = in_features, out_features
+        _packed_buffers(self, "weight", (out_features,), in_features, device)
+        if bias:
+            self.bias = nn.Parameter(torch.zeros(out_features, device=device, dtype=dtype))
+        else:
+            self.register_parameter("bias", None)  # as nn.Linear: `bias` exists and is None
+
+    @classmethod
+    def empty_like(cls, linear: nn.Linear) -> MXFP4Linear:
+        w = linear.weight
+        return cls(linear.in_features, linear.out_features, linear.bias is not None, w.device, w.dtype)
+
+    @classmethod
+    @torch.no_grad()
+    def from_linear(cls, linear: nn.Linear) -> MXFP4Linear:
+        new = cls.empty_like(linear)
+        new.weight_blocks, new.weight_scales = _quantized(linear.weight)
+        if linear.bias is not None:
+            new.bias = linear.bias
+        return new
+
+    @property
+    def weight(self) -> torch.Tensor:
+        """The dequantised matrix [out, in] in fp32, for code that reads `.weight` itself (DSA's absorbed
+        attention splits wkv_b per head); materialised on every access."""
+        return dequantize(self.weight_blocks, self.weight_scales, torch.float32, self.in_features)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        w = dequantize(self.weight_blocks, self.weight_scales, x.dtype, self.in_features)
+        return F.linear(x, w, self.bias)
+
+    def extra_repr(self) -> str:
+        return f"in_features={self.in_features}, out_features={self.out_features}, " \
+               f"bias={self.bias is not None}, mxfp4"
+
+
+def _eligible_linear(parent: nn.Module, name: str, child: nn.Module) -> bool:
+    return isinstance(child, nn.Linear) and name in ATTENTION_PROJECTIONS.get(type(parent), ())
+
+
+@torch.no_grad()
+def _swap(model: nn.Module, attention: bool, empty: bool) -> nn.Module:
+    for parent in list(model.modules()):
+        for name, child in list(parent.named_children()):
+            if isinstance(child, Experts):
+                new = MXFP4Experts.empty_like(child) if empty else MXFP4Experts.from_experts(child)
+            elif attention and _eligible_linear(parent, name, child):
+                new = MXFP4Linear.empty_like(child) if empty else MXFP4Linear.from_linear(child)
+            else:
+                continue
+            setattr(parent, name, new)  # the full-precision module goes (and is freed unless held elsewhere)
+    return model
+
+
+def quantize_model(model: nn.Module, attention: bool = False) -> nn.Module:
+    """Replace, in place, every routed-experts module (and with attention=True the projections in
+    ATTENTION_PROJECTIONS) by its MXFP4 form built from its weights; returns the model."""
+    return _swap(model, attention, empty=False)
+
+
+def empty_quantized_model(model: nn.Module, attention: bool = False) -> nn.Module:
+    """As quantize_model, but the MXFP4 modules are zero-filled (on each replaced module's device, the
+    meta device included) and the weights are not read: the form a checkpoint loader fills."""
+    return _swap(model, attention, empty=True)
+
+
+def canonical_name(name: str) -> str:
+    """A state-dict name in Horizon's MXFP4 naming: gpt-oss's original `<name>.blocks` / `<name>.scales`
+    become `<name>_blocks` / `<name>_scales` (transformers' layout, the one Horizon writes); others pass."""
+    for suffix in ("blocks", "scales"):
+        if name.endswith("." + suffix):
+            return f"{name[: -len(suffix) - 1]}_{suffix}"
+    return name
+
+
+def canonical_state_dict(state_dict: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+    """The state dict with every name through `canonical_name`; a tensor stored under both namings is an error."""
+    out, source = {}, {}
+    for key, tensor in state_dict.items():
+        name = canonical_name(key)
+        if name in out:
+            raise ValueError(f"{key!r} and {source[name]!r} both name {name!r}; keep one naming")
+        out[name], source[name] = tensor, key
+    return out
