@@ -233,3 +233,15 @@ def test_rotary_options_keep_cached_decode_equal_to_full_forward(mla_rope, index
     plain.load_state_dict(model.state_dict())
     with torch.no_grad():
         assert (plain(ids) - full).abs().max() > 1e-4
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_gather_positions_equals_advanced_indexing(dtype):
+    from horizon.model.cache import gather_positions
+
+    g = torch.Generator().manual_seed(0)
+    rows = torch.randn(4, 30, 10, generator=g).to(dtype)  # 4 slots; width 10 bf16 = 5 words
+    idx = torch.randint(0, 30, (2, 5, 7), generator=g)
+    slots = torch.tensor([3, 1])
+    assert torch.equal(gather_positions(rows, idx, slots), rows[slots[:, None, None], idx])
+    assert torch.equal(gather_positions(rows[:2], idx), rows[:2][torch.arange(2)[:, None, None], idx])

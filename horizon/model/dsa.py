@@ -41,10 +41,27 @@ INDEX_TILE_ELEMENTS = 1 << 23
 def topk_recent_first(scores: torch.Tensor, k: int) -> torch.Tensor:
     """Indices of the k largest scores along the last dim; equal scores prefer the larger index.
 
-    Each fp32 score is mapped to an integer with the same order (negative floats get their magnitude
-    bits flipped), then paired with its position as key * 2^32 + position, so one integer top-k
-    orders by score and, among exact ties, by recency. It is a pure function of the scores, so
-    prefill, decode and batched runs break ties identically.
+    Reference semantics: sort by (score, position) descending and keep k. Fast path: a plain top-k,
+    which is already exact for every row without a tie at the cut (fewer than two elements share the
+    k-th largest value on both sides of it); only rows with such a tie are redone by
+    `_topk_by_score_then_position`. Rows whose k-th value is -inf see fewer than k positions: they
+    keep all of them whatever the tie order, and their remaining picks are invisible (masked out).
+    """
+    top = scores.topk(k, dim=-1, sorted=False)
+    cut = top.values.min(-1, keepdim=True).values  # the k-th largest value of each row
+    tied = ((scores >= cut).sum(-1) > k) & (cut.squeeze(-1) > -math.inf)
+    if not bool(tied.any()):
+        return top.indices
+    idx = top.indices.clone()
+    idx[tied] = _topk_by_score_then_position(scores[tied], k)
+    return idx
+
+
+def _topk_by_score_then_position(scores: torch.Tensor, k: int) -> torch.Tensor:
+    """Exact (score, position) top-k: each fp32 score is mapped to an integer of the same order
+    (negative floats get their magnitude bits flipped), paired with its position as
+    key * 2^32 + position, and one integer top-k orders by score, then recency. A pure function of
+    the scores, so prefill, decode and batched runs break ties identically.
     """
     s = scores.float() + 0.0  # -0.0 -> +0.0 so equal values have equal bits
     bits = s.view(torch.int32).long()
@@ -99,8 +116,12 @@ class LightningIndexer(nn.Module):
         The q.k products run in the keys' dtype (bf16 in a bf16 model, as DeepSeek runs its
         indexer in FP8); the ReLU and the weighted sum over heads in fp32.
         """
-        s = torch.einsum("bthd,bsd->bths", q.to(keys.dtype), keys).float().relu_()
-        return torch.einsum("bths,bth->bts", s, w * self.head_dim**-0.5)
+        B, t, H, d = q.shape
+        # [B, t*H, d] @ [B, d, L] lands directly in [B, t, H, L] order (an einsum would permute-copy it)
+        s = torch.matmul(q.to(keys.dtype).reshape(B, t * H, d), keys.transpose(1, 2)).view(B * t, H, -1)
+        s = s.float().relu_()
+        w = (w.float() * self.head_dim**-0.5).reshape(B * t, 1, H)
+        return torch.bmm(w, s).view(B, t, -1)  # sum over heads: [B*t, 1, H] @ [B*t, H, L]
 
     def select(self, q, w, keys, q_pos, ctx_len, k: int) -> torch.Tensor:
         """Top-k visible positions [B, t, k] for queries q [B, t, H_I, d_I] at positions q_pos [B, t].
@@ -180,13 +201,20 @@ class GatedDSA(nn.Module):
         k_pe = rows[..., self.kv_rank:][:, :, None, :].expand(-1, -1, self.num_heads, -1)
         q = torch.cat((q_nope, q_pe), -1).transpose(1, 2)  # [B, H, T, dq]
         k = torch.cat((k_nope, k_pe), -1).transpose(1, 2)  # [B, H, L, dq]
+        v = v.transpose(1, 2)  # [B, H, L, v]
+        # SDPA's fused (flash) kernels need one head dim for q, k and v; otherwise it falls back to
+        # materialising [B, H, T, L] scores (50x slower at 16K on CPU). Zero padding changes nothing.
+        dq, dv = q.shape[-1], v.shape[-1]
+        if dv < dq:
+            v = F.pad(v, (0, dq - dv))
+        elif dq < dv:
+            q, k = F.pad(q, (0, dv - dq)), F.pad(k, (0, dv - dq))
         if plain_causal:
-            out = F.scaled_dot_product_attention(q, k, v.transpose(1, 2), is_causal=True, scale=self.scale)
-            return out.transpose(1, 2)
-        out = F.scaled_dot_product_attention(q, k, v.transpose(1, 2), attn_mask=visible[:, None],
-                                             scale=self.scale)
+            out = F.scaled_dot_product_attention(q, k, v, is_causal=True, scale=self.scale)
+            return out.transpose(1, 2)[..., :dv]
+        out = F.scaled_dot_product_attention(q, k, v, attn_mask=visible[:, None], scale=self.scale)
         # a query that sees nothing (only padding rows can) gives NaN from SDPA; zero it
-        return torch.where(visible.any(-1)[:, :, None, None], out.transpose(1, 2), 0.0)
+        return torch.where(visible.any(-1)[:, :, None, None], out.transpose(1, 2)[..., :dv], 0.0)
 
     def _expanded_sparse(self, q_nope, q_pe, rows, idx, visible):
         """Sparse attention with expanded keys: W_kvb on every context row, then gather k per query."""
@@ -273,7 +301,9 @@ class GatedDSA(nn.Module):
             if form == "absorbed" or (form == "auto" and decode):
                 o = self._absorbed(q_nope, q_pe, rows, visible)
             else:
-                o = self._expanded_dense(q_nope, q_pe, rows, visible, plain_causal=cache is None and batch.uniform)
+                # every sequence starts at position 0 with the same length: `visible` is the causal triangle
+                plain_causal = batch.uniform and batch.max_ctx == batch.max_len
+                o = self._expanded_dense(q_nope, q_pe, rows, visible, plain_causal=plain_causal)
         else:
             o = self._sparse(x, c_q, q_nope, q_pe, ctx, batch, q_pos, ctx_len, form)
         o = batch.unpad(o).to(x.dtype)  # [N, H, v]
