@@ -69,10 +69,9 @@ def plan(config: ModelConfig, context: int | None = None) -> dict:
     bf16 = 2
     experts = [p for m in model.modules() if isinstance(m, Experts) for p in m.parameters()]
     weight_bytes_mxfp4 = (counts["total"] - counts["routed"]) * bf16 + sum(mxfp4_nbytes(p.shape) for p in experts)
-    cache_bytes = cache.nbytes()
-    per_token = cache_bytes["dsa"]  # one slot, one position: exactly one token's rows
+    per_token = cache.bytes_per_token()
     at_context = per_token * context
-    kda_state = cache_bytes["kda"]
+    kda_state = cache.state_bytes_per_slot()
     need = weight_bytes_mxfp4 + at_context + kda_state
     return {
         "total_params": counts["total"],

@@ -147,12 +147,16 @@ def test_decode_cache_holds_only_latent_rows_and_indexer_keys():
     model = tiny_model()
     cfg = model.config
     cache = model.new_cache(3, 50)
+    rows = cache.num_blocks * cache.block_size
+    assert cache.num_blocks * cache.block_size >= 3 * 50
     for i in cfg.dsa_layers:
         layer_cache = cache.layers[i]
-        assert layer_cache.latent.shape == (3, 50, cfg.kv_lora_rank + cfg.qk_rope_head_dim)
-        assert layer_cache.index.shape == (3, 50, cfg.index_head_dim)
-        per_token = {name: t.shape[2:] for name, t in vars(layer_cache).items() if isinstance(t, torch.Tensor)}
-        assert per_token == {"latent": (cfg.kv_lora_rank + cfg.qk_rope_head_dim,), "index": (cfg.index_head_dim,)}
+        per_token = {name: tuple(t.shape) for name, t in vars(layer_cache).items()
+                     if isinstance(t, torch.Tensor) and t is not cache.block_table}
+        assert per_token == {"latent": (rows, cfg.kv_lora_rank + cfg.qk_rope_head_dim),
+                             "index": (rows, cfg.index_head_dim)}
+    assert cache.bytes_per_token() == len(cfg.dsa_layers) * (cfg.kv_lora_rank + cfg.qk_rope_head_dim
+                                                             + cfg.index_head_dim) * 4
 
 
 @pytest.mark.parametrize("topk", [64, 8])
@@ -177,14 +181,14 @@ def test_sparse_path_gathers_exactly_topk_rows_per_query(monkeypatch):
     k = 8
     model = tiny_model(index_topk=k)
     shapes = []
-    real = dsa_mod.gather_rows
+    real = dsa_mod.gather_selected
 
     def spy(ctx, batch, idx):
         rows = real(ctx, batch, idx)
         shapes.append((tuple(idx.shape), tuple(rows.shape)))
         return rows
 
-    monkeypatch.setattr(dsa_mod, "gather_rows", spy)
+    monkeypatch.setattr(dsa_mod, "gather_selected", spy)
     ids = torch.randint(0, model.config.vocab_size, (2, 30))
     cache = model.new_cache(2, 40)
     with torch.no_grad():
@@ -236,12 +240,10 @@ def test_rotary_options_keep_cached_decode_equal_to_full_forward(mla_rope, index
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
-def test_gather_positions_equals_advanced_indexing(dtype):
-    from horizon.model.cache import gather_positions
+def test_gather_rows_equals_advanced_indexing(dtype):
+    from horizon.model.cache import gather_rows
 
     g = torch.Generator().manual_seed(0)
-    rows = torch.randn(4, 30, 10, generator=g).to(dtype)  # 4 slots; width 10 bf16 = 5 words
-    idx = torch.randint(0, 30, (2, 5, 7), generator=g)
-    slots = torch.tensor([3, 1])
-    assert torch.equal(gather_positions(rows, idx, slots), rows[slots[:, None, None], idx])
-    assert torch.equal(gather_positions(rows[:2], idx), rows[:2][torch.arange(2)[:, None, None], idx])
+    table = torch.randn(60, 10, generator=g).to(dtype)  # width 10 bf16 = 5 four-byte words
+    rows = torch.randint(0, 60, (2, 5, 7), generator=g)
+    assert torch.equal(gather_rows(table, rows), table[rows])

@@ -125,3 +125,24 @@ def test_training_step_produces_gradients_everywhere_that_matters():
     # the indexer learns from its own KL loss (training issue), not from the LM loss: top-k is not differentiable
     assert all(".indexer." in n for n in no_grad), no_grad
     assert sum(int(m.load.sum()) for m in model.modules() if hasattr(m, "load")) > 0
+
+
+def test_paged_cache_with_scattered_blocks_equals_a_static_cache():
+    from horizon.model import HorizonCache
+
+    model = tiny_model()
+    cfg = model.config
+    ids = torch.randint(0, cfg.vocab_size, (2, 37))
+    with torch.no_grad():
+        full = model(ids, lengths=[37, 30])
+        paged = HorizonCache(cfg, num_slots=2, max_len=40, block_size=8, num_blocks=12)
+        with pytest.raises(ValueError, match="no cache block assigned"):
+            model(ids[:, :5], cache=paged)
+        order = torch.randperm(12, generator=torch.Generator().manual_seed(0))
+        paged.block_table[0, :5] = order[:5]  # slot 0: 5 scattered blocks, slot 1: 4 others
+        paged.block_table[1, :4] = order[5:9]
+        first = model(ids[:, :13], cache=paged)
+        rest = [model(ids[:, t:t + 1], cache=paged, lengths=[1, int(t < 30)]) for t in range(13, 37)]
+    got = torch.cat([first] + rest, 1)
+    torch.testing.assert_close(got[0], full[0], atol=1e-4, rtol=0)
+    torch.testing.assert_close(got[1, :30], full[1, :30], atol=1e-4, rtol=0)

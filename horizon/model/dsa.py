@@ -70,7 +70,7 @@ def _topk_by_score_then_position(scores: torch.Tensor, k: int) -> torch.Tensor:
     return (key * (1 << 32) + pos).topk(k, dim=-1, sorted=False).values & 0xFFFFFFFF
 
 
-def gather_rows(ctx, batch: Batch, idx: torch.Tensor) -> torch.Tensor:
+def gather_selected(ctx, batch: Batch, idx: torch.Tensor) -> torch.Tensor:
     """The sparse path's only read of the latent: rows at idx [B, T, k] -> [B, T, k, width]."""
     return ctx.gather(batch, idx)
 
@@ -269,7 +269,7 @@ class GatedDSA(nn.Module):
             if form == "expanded":
                 outs.append(self._expanded_sparse(q_nope[:, sl], q_pe[:, sl], rows, idx, visible))
             else:
-                outs.append(self._absorbed(q_nope[:, sl], q_pe[:, sl], gather_rows(ctx, batch, idx), visible))
+                outs.append(self._absorbed(q_nope[:, sl], q_pe[:, sl], gather_selected(ctx, batch, idx), visible))
             if self.record_selection:
                 picks.append(idx)
         if self.record_selection:

@@ -122,10 +122,7 @@ class HorizonForCausalLM(nn.Module):
                       last_only: bool = False) -> torch.Tensor:
         """Varlen forward: tokens [N] laid out by `batch` -> fp32 logits [N, V] ([B, V] with last_only)."""
         if cache is not None:
-            end = batch.start + batch.lens
-            if int(end.max()) > cache.max_len:
-                raise ValueError(f"the batch needs {int(end.max())} cached positions but the cache holds "
-                                 f"max_len={cache.max_len}")
+            cache.check_capacity(batch)
         if batch.max_ctx > self.config.max_position_embeddings:
             raise ValueError(f"context of {batch.max_ctx} tokens exceeds the model's window "
                              f"max_position_embeddings={self.config.max_position_embeddings}")
