@@ -24,6 +24,7 @@ import json
 import math
 import shutil
 from collections.abc import Iterator
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
@@ -336,3 +337,32 @@ def load(path: str | Path, dtype: torch.dtype | None = None, device="cpu") -> Ho
     if model.config.tie_word_embeddings:
         model.lm_head.weight = model.embed.weight
     return model.eval()
+
+
+# --- a model ready to serve ----------------------------------------------------------------------------
+BUNDLED = "bundled"  # the name `open_model` accepts for the model Horizon ships
+
+
+@dataclass
+class Bundle:
+    model: HorizonForCausalLM
+    tokenizer: Any
+    generation_config: dict[str, Any]
+    source: str  # where it came from, for logs and /v1/models
+
+
+def open_model(path: str | Path | None = None, dtype: torch.dtype | None = None, device="cpu") -> Bundle:
+    """Model, tokenizer and generation config of a checkpoint folder, or of the bundled model.
+
+    The bundled model is, until the training issue ships trained weights, the `tiny` preset with
+    random weights from a fixed seed (it speaks the chat format's tokens but not sense).
+    """
+    from horizon.chat import load_tokenizer
+
+    if path is None or str(path) == BUNDLED:
+        model = HorizonForCausalLM(ModelConfig.preset("tiny"), init=False)
+        model.init_weights(seed=0)  # the same weights on every machine
+        model = model.to(device=device, dtype=dtype or torch.float32)
+        return Bundle(model.eval(), load_tokenizer(), default_generation_config(), "bundled:tiny-random")
+    model = load(path, dtype=dtype, device=device)
+    return Bundle(model, load_tokenizer(path), load_generation_config(path), str(path))

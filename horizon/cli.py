@@ -3,6 +3,11 @@
     horizon plan --preset 2.8t [--context N] [--json]       parameters, memory and GPUs for a config
     horizon quantize SRC DST                                 store a checkpoint's routed experts as MXFP4
     horizon convert SRC DST [--quantize mxfp4] [--to-dsa]   a Kimi-Linear / DeepSeek-V3.2 folder -> Horizon
+    horizon generate [--model PATH] --prompt TEXT [--tier low|high|max]   one answer, streamed
+    horizon chat [--model PATH] [--tier ...]                 an interactive conversation (full history kept)
+
+--model defaults to the bundled model (the tiny preset with fixed random weights until a trained
+one ships): it speaks the chat format's tokens, not sense.
 """
 
 from __future__ import annotations
@@ -76,6 +81,115 @@ def _cmd_convert(args: argparse.Namespace) -> int:
     return 0
 
 
+class TerminalStream:
+    """Prints a turn's deltas as they arrive: thinking dimmed, tool calls in brackets, the answer plain."""
+
+    def __init__(self):
+        from rich.console import Console
+
+        self.console = Console(highlight=False, soft_wrap=True)
+        self.mode = None
+
+    def __call__(self, event) -> None:
+        from horizon.chat import ErrorDelta, ReasoningDelta, TextDelta, ToolCallArgs, ToolCallEnd, ToolCallStart
+        from horizon.engine import FinishEvent
+
+        for d in event.deltas:
+            if isinstance(d, ReasoningDelta):
+                self._switch("think", "[dim]thinking: [/dim]")
+                self.console.print(d.text, style="dim", end="")
+            elif isinstance(d, TextDelta):
+                self._switch("text", "")
+                self.console.print(d.text, end="", markup=False)
+            elif isinstance(d, ToolCallStart):
+                self._switch("tool", "")
+                self.console.print(f"[cyan][tool call {d.name}(", end="", markup=False)
+            elif isinstance(d, ToolCallArgs):
+                self.console.print(d.text, style="cyan", end="", markup=False)
+            elif isinstance(d, ToolCallEnd):
+                self.console.print(")]", style="cyan", end="", markup=False)
+            elif isinstance(d, ErrorDelta):
+                self.console.print(f"[parser: {d.code}: {d.message}]", style="red", end="", markup=False)
+        if isinstance(event, FinishEvent):
+            u = event.usage
+            self.console.print()
+            error = f" {event.error}" if event.error else ""
+            self.console.print(f"[{event.reason}; {u.completion_tokens} tokens, {u.reasoning_tokens} thinking, "
+                               f"{u.cached_tokens} prompt tokens from cache]{error}", style="dim", markup=False)
+            self.mode = None
+
+    def _switch(self, mode: str, header: str) -> None:
+        if self.mode != mode:
+            if self.mode is not None:
+                self.console.print()
+            if header:
+                self.console.print(header, end="")
+            self.mode = mode
+
+
+def _open_engine(args):
+    from horizon.checkpoint import open_model
+    from horizon.engine import Engine, EngineConfig
+
+    bundle = open_model(args.model)
+    engine = Engine(bundle.model, bundle.tokenizer, EngineConfig(max_num_seqs=1, max_batch_tokens=512),
+                    generation_config=bundle.generation_config)
+    return bundle, engine
+
+
+def _params(args):
+    from horizon.engine import SamplingParams
+
+    return SamplingParams(max_tokens=args.max_tokens, temperature=args.temperature, top_p=args.top_p,
+                          seed=args.seed, tier=args.tier)
+
+
+def _cmd_generate(args: argparse.Namespace) -> int:
+    from horizon.chat import ChatTemplate
+    from horizon.engine import Request
+
+    bundle, engine = _open_engine(args)
+    messages = [{"role": "user", "content": args.prompt}]
+    prompt = ChatTemplate(bundle.tokenizer).render(messages, tier=args.tier, add_generation_prompt=True).ids
+    engine.submit(Request(prompt, _params(args)), TerminalStream())
+    engine.run_until_idle()
+    return 0
+
+
+def _cmd_chat(args: argparse.Namespace) -> int:
+    from horizon.chat import ChatTemplate, StreamParser
+    from horizon.engine import FinishEvent, Request
+
+    bundle, engine = _open_engine(args)
+    template = ChatTemplate(bundle.tokenizer)
+    show = TerminalStream()
+    messages: list[dict] = [{"role": "system", "content": args.system}] if args.system else []
+    print(f"horizon chat with {bundle.source} (tier {args.tier or 'off'}); an empty line or Ctrl-D ends it")
+    while True:
+        try:
+            line = input("you> ").strip()
+        except EOFError:
+            print()
+            return 0
+        if not line:
+            return 0
+        messages.append({"role": "user", "content": line})
+        prompt = template.render(messages, tier=args.tier, add_generation_prompt=True).ids
+        parser = StreamParser(bundle.tokenizer, tier=args.tier)
+
+        def on_event(event, parser=parser):
+            show(event)
+            if isinstance(event, FinishEvent):
+                parser.finish()
+            else:
+                parser.feed(event.token_id)
+
+        engine.submit(Request(prompt, _params(args)), on_event)
+        engine.run_until_idle()
+        # the reply goes back exactly as generated (thinking included): the next turn resumes from cache
+        messages.append(parser.result().to_message())
+
+
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="horizon", description=__doc__,
                                      formatter_class=argparse.RawDescriptionHelpFormatter)
@@ -106,6 +220,24 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--index-head-dim", type=int, default=None, help="with --to-dsa: indexer head dim (64 or 128)")
     p.add_argument("--dtype", choices=["float32", "bfloat16", "float16"], default=None)
     p.set_defaults(func=_cmd_convert)
+
+    def sampling(p: argparse.ArgumentParser) -> None:
+        p.add_argument("--model", default=None, help="checkpoint folder (default: the bundled model)")
+        p.add_argument("--tier", choices=["low", "high", "max"], default=None, help="thinking tier (default: off)")
+        p.add_argument("--max-tokens", type=int, default=256)
+        p.add_argument("--temperature", type=float, default=0.7)
+        p.add_argument("--top-p", type=float, default=0.95)
+        p.add_argument("--seed", type=int, default=None)
+
+    p = sub.add_parser("generate", help="answer one prompt, streaming thinking and answer")
+    p.add_argument("--prompt", required=True)
+    sampling(p)
+    p.set_defaults(func=_cmd_generate)
+
+    p = sub.add_parser("chat", help="an interactive conversation that keeps the full history")
+    p.add_argument("--system", default=None, help="a system message")
+    sampling(p)
+    p.set_defaults(func=_cmd_chat)
     return parser
 
 

@@ -165,6 +165,9 @@ class GatedDSA(nn.Module):
         # Tests force one form to check that both give the same numbers.
         self.attn_form = "auto"
         self.record_selection = False  # keep the last [B, T, k] selection in `last_selection` (tests)
+        # the engine's sampled statistic: the share of dense attention mass the selection keeps
+        self.measure_coverage = False
+        self.last_coverage: float | None = None
 
     # --- projections -------------------------------------------------------------------------
     def project(self, x: torch.Tensor, positions: torch.Tensor):
@@ -272,9 +275,24 @@ class GatedDSA(nn.Module):
                 outs.append(self._absorbed(q_nope[:, sl], q_pe[:, sl], gather_selected(ctx, batch, idx), visible))
             if self.record_selection:
                 picks.append(idx)
+            if self.measure_coverage:
+                self.last_coverage = self._coverage(q_nope[:, sl], q_pe[:, sl], ctx.rows(batch), idx,
+                                                    q_pos[:, sl], ctx_len)
         if self.record_selection:
             self.last_selection = torch.cat(picks, dim=1)
         return torch.cat(outs, dim=1)
+
+    def _coverage(self, q_nope, q_pe, rows, idx, q_pos, ctx_len) -> float:
+        """Mean over queries and heads of the dense attention probability mass on the selected positions."""
+        w_uk, _ = self._w_kvb()
+        q_lat = torch.einsum("bthd,hdr->bthr", q_nope.float(), w_uk.float())
+        q = torch.cat((q_lat, q_pe.float()), -1)
+        scores = torch.einsum("bthr,bsr->bths", q, rows.float()) * self.scale
+        s_pos = torch.arange(rows.shape[1], device=rows.device)
+        visible = (s_pos <= q_pos[..., None]) & (s_pos < ctx_len[:, None, None])
+        probs = masked_softmax(scores, visible[:, :, None, :])  # [B, t, H, L]
+        chosen = torch.zeros_like(visible).scatter_(-1, idx.clamp(max=rows.shape[1] - 1), True) & visible
+        return float((probs * chosen[:, :, None, :]).sum(-1).mean())
 
     # --- forward -------------------------------------------------------------------------------
     def forward(self, x: torch.Tensor, batch: Batch, cache=None) -> torch.Tensor:

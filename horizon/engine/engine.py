@@ -1,0 +1,336 @@
+"""Engine: continuous batching over one model, with paged caches, sampling, thinking budgets and prefix reuse.
+
+    engine = Engine(model, tokenizer)
+    results = engine.generate([Request(prompt_ids, SamplingParams(max_tokens=64))])   # blocking
+
+    engine.start()                                         # a background thread runs the steps
+    async for event in engine.stream(Request(...)):        # TokenEvent ..., then one FinishEvent
+        ...
+    engine.stop()
+
+One step is: schedule (who runs, how many tokens each), run (one forward over all of them, the
+varlen batch mixing prefill chunks and decode tokens), post-process (sample, stream events,
+finish). Requests and cancellations may arrive from any thread; they are applied between steps.
+The engine knows token ids and the chat format's special tokens, never HTTP.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import math
+import queue
+import threading
+import time
+from collections import deque
+from collections.abc import AsyncIterator, Callable
+from dataclasses import dataclass, field
+
+import torch
+
+from horizon.chat.thinking import DEFAULT_THINKING_BUDGETS
+from horizon.engine.params import Event, FinishEvent, Request, TokenEvent, Usage
+from horizon.engine.sampler import logprobs, sample
+from horizon.engine.scheduler import Scheduler
+from horizon.engine.sequence import Sequence
+from horizon.model import Batch, HorizonCache
+from horizon.model.dsa import GatedDSA
+
+log = logging.getLogger(__name__)
+
+
+@dataclass
+class EngineConfig:
+    max_num_seqs: int = 16  # sequences decoding at once (KDA state slots)
+    max_model_len: int | None = None  # prompt + output per sequence; None: min(model window, 32768)
+    block_size: int = 64  # DSA rows per cache block
+    num_blocks: int | None = None  # pool size; None: every slot can reach max_model_len
+    max_batch_tokens: int = 512  # tokens per forward: decodes first, then prefill chunks
+    prefix_cache_bytes: int = 256 * 1024**2  # cap on the KDA snapshots kept for prefix reuse
+    coverage_every: int = 0  # every N decode steps, measure how much dense attention mass top-k keeps (0: off)
+
+    def validate(self) -> None:
+        for name in ("max_num_seqs", "block_size", "max_batch_tokens"):
+            if getattr(self, name) < 1:
+                raise ValueError(f"EngineConfig.{name}={getattr(self, name)} must be >= 1")
+        if self.max_batch_tokens < self.max_num_seqs:
+            raise ValueError(f"EngineConfig.max_batch_tokens={self.max_batch_tokens} must be >= max_num_seqs="
+                             f"{self.max_num_seqs}, so every running sequence can decode each step")
+
+
+@dataclass
+class Result:
+    """Everything one request produced (from `Engine.generate`)."""
+
+    request_id: str
+    token_ids: list[int] = field(default_factory=list)
+    events: list[Event] = field(default_factory=list)
+    finish: FinishEvent | None = None
+
+    @property
+    def usage(self) -> Usage:
+        return self.finish.usage
+
+
+class Stats:
+    """Counters the server exports (horizon serve's /metrics)."""
+
+    def __init__(self):
+        self.steps = 0
+        self.forwards_multi_seq = 0  # forwards that carried more than one sequence
+        self.max_seqs_in_forward = 0
+        self.tokens_computed = 0  # tokens the model processed (prefill + decode)
+        self.tokens_generated = 0
+        self.prompt_tokens_cached = 0
+        self.thinking_tokens = {"low": 0, "high": 0, "max": 0}
+        self.requests_finished = 0
+        self.ttft: deque[float] = deque(maxlen=256)  # seconds from arrival to first token
+        self.recent: deque[tuple[float, int]] = deque(maxlen=64)  # (time, tokens generated) per step
+        self.coverage: deque[float] = deque(maxlen=256)  # sampled top-k share of dense attention mass
+
+    def tokens_per_second(self) -> float:
+        if len(self.recent) < 2:
+            return 0.0
+        (t0, _), (t1, _) = self.recent[0], self.recent[-1]
+        return sum(n for _, n in list(self.recent)[1:]) / max(t1 - t0, 1e-9)
+
+
+class Engine:
+    def __init__(self, model, tokenizer, config: EngineConfig | None = None,
+                 generation_config: dict | None = None):
+        self.model, self.tokenizer = model.eval(), tokenizer
+        self.config = config = config or EngineConfig()
+        config.validate()
+        window = model.config.max_position_embeddings
+        self.max_model_len = min(config.max_model_len or min(window, 32768), window)
+        p = model.embed.weight
+        self.cache = HorizonCache(model.config, config.max_num_seqs, self.max_model_len, dtype=p.dtype,
+                                  device=p.device, block_size=config.block_size,
+                                  num_blocks=config.num_blocks or
+                                  config.max_num_seqs * math.ceil(self.max_model_len / config.block_size))
+        self.device = p.device
+        self.scheduler = Scheduler(self.cache, config.max_batch_tokens, config.prefix_cache_bytes)
+        gen = generation_config or {}
+        self.budgets = {**DEFAULT_THINKING_BUDGETS, **gen.get("thinking_budgets", {})}
+        special = tokenizer.special
+        self.stop_ids = {special.assistant_end, special.end_of_text}
+        self.stats = Stats()
+        self.sequences: dict[str, Sequence] = {}
+        self._inbox: queue.SimpleQueue = queue.SimpleQueue()  # ("submit", seq) / ("cancel", id)
+        self._wake = threading.Event()
+        self._thread: threading.Thread | None = None
+        self._stopping = False
+        self._decode_steps = 0
+
+    # --- requests ----------------------------------------------------------------------------------
+    def submit(self, request: Request, on_event: Callable[[Event], None]) -> None:
+        """Queue a request (thread-safe); `on_event` receives its events on the engine's thread."""
+        params = request.params
+        params.validate(self.model.config.vocab_size)
+        prompt = request.prompt_ids
+        if not prompt:
+            raise ValueError("prompt_ids is empty: at least one token is needed")
+        if any(not 0 <= t < self.model.config.vocab_size for t in prompt):
+            raise ValueError(f"prompt_ids must be token ids in [0, {self.model.config.vocab_size})")
+        if len(prompt) + params.max_tokens > self.max_model_len:
+            raise ValueError(f"prompt ({len(prompt)} tokens) + max_tokens ({params.max_tokens}) = "
+                             f"{len(prompt) + params.max_tokens} exceeds the context window of "
+                             f"{self.max_model_len} tokens")
+        capacity = self.cache.num_blocks * self.cache.block_size
+        if len(prompt) + params.max_tokens > capacity:
+            raise ValueError(f"prompt ({len(prompt)} tokens) + max_tokens ({params.max_tokens}) needs more cache "
+                             f"than the whole pool holds ({self.cache.num_blocks} blocks of "
+                             f"{self.cache.block_size} tokens = {capacity})")
+        if request.request_id in self.sequences:
+            raise ValueError(f"request_id {request.request_id!r} is already in use")
+        budget = params.thinking_budget
+        if budget is None and params.tier is not None:
+            budget = int(self.budgets[params.tier])
+        seq = Sequence(request, self.tokenizer, budget, self.stop_ids, on_event)
+        self.sequences[seq.id] = seq
+        self._inbox.put(("submit", seq))
+        self._wake.set()
+
+    def cancel(self, request_id: str) -> None:
+        """Stop a request (client gone); its slot and blocks are freed before the next forward."""
+        self._inbox.put(("cancel", request_id))
+        self._wake.set()
+
+    def _drain_inbox(self) -> None:
+        while True:
+            try:
+                kind, item = self._inbox.get_nowait()
+            except queue.Empty:
+                return
+            if kind == "submit":
+                self.scheduler.waiting.append(item)
+            else:
+                seq = self.sequences.get(item)
+                if seq is not None:
+                    self._finish(seq, "cancelled")
+
+    # --- the step ----------------------------------------------------------------------------------
+    @property
+    def has_work(self) -> bool:
+        return bool(self.scheduler.waiting or self.scheduler.running or not self._inbox.empty())
+
+    @torch.inference_mode()
+    def step(self) -> bool:
+        """One schedule -> forward -> sample round. Returns False when there was nothing to do."""
+        self._drain_inbox()
+        plan, failed = self.scheduler.schedule()
+        for seq in failed:
+            self._finish(seq, "error", f"the request needs more cache blocks than the pool holds "
+                                       f"({self.cache.num_blocks} blocks of {self.cache.block_size} tokens)")
+        if not plan:
+            return False
+        tokens = torch.tensor([t for seq, n in plan for t in seq.tokens[seq.num_cached: seq.num_cached + n]],
+                              device=self.device)
+        batch = Batch.build([n for _, n in plan], start=[seq.num_cached for seq, _ in plan],
+                            slots=[seq.slot for seq, _ in plan], device=self.device)
+        probe = self._coverage_probe(batch)
+        logits = self.model.forward_batch(tokens, batch, self.cache, last_only=True)
+        self._read_probe(probe)
+        generated = 0
+        for (seq, n), row in zip(plan, logits, strict=True):
+            seq.num_cached += n
+            if seq.num_cached < len(seq.tokens):
+                continue  # mid-prompt: nothing to sample yet
+            forced = seq.forced_token()
+            token = forced if forced is not None else sample(row, seq.params, seq.generated, seq.generator)
+            lp, top = logprobs(row, token, seq.params.logprobs) if seq.params.logprobs is not None else (None, None)
+            was_thinking = seq.thinking
+            reason = seq.append(token, lp, top, forced is not None)
+            generated += 1
+            if was_thinking and seq.params.tier is not None and token != seq.think_end:
+                self.stats.thinking_tokens[seq.params.tier] += 1
+            if seq.num_generated == 1:
+                self.stats.ttft.append(seq.first_token_time - seq.arrival)
+            if reason:
+                self._finish(seq, reason)
+        s = self.stats
+        s.steps += 1
+        s.tokens_computed += int(batch.lens.sum())
+        s.tokens_generated += generated
+        s.max_seqs_in_forward = max(s.max_seqs_in_forward, len(plan))
+        s.forwards_multi_seq += len(plan) > 1
+        s.recent.append((time.perf_counter(), generated))
+        return True
+
+    def _finish(self, seq: Sequence, reason: str, error: str | None = None) -> None:
+        self.scheduler.finish(seq, keep_prefix=reason in ("stop", "length"))
+        self.stats.prompt_tokens_cached += seq.cached_prompt_tokens
+        self.stats.requests_finished += 1
+        self.sequences.pop(seq.id, None)
+        seq.finish(reason, error)
+
+    # --- indexer statistics ------------------------------------------------------------------------
+    def _coverage_probe(self, batch: Batch) -> list[GatedDSA]:
+        every = self.config.coverage_every
+        if not every or batch.max_len != 1:
+            return []
+        self._decode_steps += 1
+        if self._decode_steps % every:
+            return []
+        layers = [m for m in self.model.modules() if isinstance(m, GatedDSA) and m.indexer is not None]
+        for layer in layers:
+            layer.measure_coverage = True
+        return layers
+
+    def _read_probe(self, layers: list[GatedDSA]) -> None:
+        for layer in layers:
+            layer.measure_coverage = False
+            if layer.last_coverage is not None:
+                self.stats.coverage.append(layer.last_coverage)
+
+    # --- driving it ------------------------------------------------------------------------------------
+    def run_until_idle(self) -> None:
+        while self.has_work:
+            self.step()
+
+    def generate(self, requests: list[Request]) -> list[Result]:
+        """Run requests to completion on the calling thread (no background thread needed)."""
+        if self._thread is not None:
+            raise RuntimeError("generate() runs the engine itself; use stream() while the engine thread runs")
+        results = {r.request_id: Result(r.request_id) for r in requests}
+
+        def collect(event: Event) -> None:
+            res = results[event.request_id]
+            res.events.append(event)
+            if isinstance(event, TokenEvent):
+                res.token_ids.append(event.token_id)
+            else:
+                res.finish = event
+
+        for r in requests:
+            self.submit(r, collect)
+        self.run_until_idle()
+        return [results[r.request_id] for r in requests]
+
+    def start(self) -> None:
+        """Run steps on a background thread until stop()."""
+        if self._thread is not None:
+            return
+        self._stopping = False
+        self._thread = threading.Thread(target=self._loop, name="horizon-engine", daemon=True)
+        self._thread.start()
+
+    def stop(self) -> None:
+        self._stopping = True
+        self._wake.set()
+        if self._thread is not None:
+            self._thread.join()
+            self._thread = None
+
+    def _loop(self) -> None:
+        while not self._stopping:
+            try:
+                busy = self.step()
+            except Exception as e:  # a failed step must not hang every client: fail what was running
+                log.exception("engine step failed")
+                for seq in list(self.scheduler.running):
+                    self._finish(seq, "error", f"engine error: {type(e).__name__}: {e}")
+                continue
+            if not busy:
+                self._wake.wait(timeout=0.05)
+                self._wake.clear()
+
+    async def stream(self, request: Request) -> AsyncIterator[Event]:
+        """Submit and yield its events; leaving the loop early (client gone) cancels the request."""
+        loop = asyncio.get_running_loop()
+        events: asyncio.Queue[Event] = asyncio.Queue()
+        self.submit(request, lambda e: loop.call_soon_threadsafe(events.put_nowait, e))
+        finished = False
+        try:
+            while True:
+                event = await events.get()
+                yield event
+                if isinstance(event, FinishEvent):
+                    finished = True
+                    return
+        finally:
+            if not finished:
+                self.cancel(request.request_id)
+
+    def clear_prefix_cache(self) -> None:
+        """Drop every prefix-cache entry (their blocks return to the pool)."""
+        self.scheduler.prefix.clear()
+
+    # --- introspection ---------------------------------------------------------------------------------
+    def metrics(self) -> dict:
+        s, sch = self.stats, self.scheduler
+        return {
+            "queue_length": len(sch.waiting), "running": len(sch.running),
+            "blocks_used": sch.blocks_in_use, "blocks_free": sch.blocks.num_free,
+            "blocks_prefix_cache": len({b for e in sch.prefix.entries.values() for b in e.blocks}),
+            "slots_free": sch.slots.num_free, "prefix_entries": len(sch.prefix),
+            "prefix_cache_bytes": sch.prefix.nbytes, "prefix_hits": sch.prefix.hits,
+            "prefix_misses": sch.prefix.misses, "preemptions": sch.preemptions,
+            "steps": s.steps, "forwards_multi_seq": s.forwards_multi_seq,
+            "max_seqs_in_forward": s.max_seqs_in_forward, "tokens_computed": s.tokens_computed,
+            "tokens_generated": s.tokens_generated, "prompt_tokens_cached": s.prompt_tokens_cached,
+            "tokens_per_second": s.tokens_per_second(),
+            "ttft_mean_s": sum(s.ttft) / len(s.ttft) if s.ttft else None,
+            "thinking_tokens": dict(s.thinking_tokens),
+            "indexer_topk_coverage_mean": sum(s.coverage) / len(s.coverage) if s.coverage else None,
+        }
