@@ -29,6 +29,7 @@ from dataclasses import dataclass, field
 import torch
 
 from horizon.chat.thinking import DEFAULT_THINKING_BUDGETS
+from horizon.engine.constraints import Grammars, finishing
 from horizon.engine.params import Event, FinishEvent, Request, TokenEvent, Usage
 from horizon.engine.sampler import logprobs, sample
 from horizon.engine.scheduler import Scheduler
@@ -114,6 +115,7 @@ class Engine:
         self.budgets = {**DEFAULT_THINKING_BUDGETS, **gen.get("thinking_budgets", {})}
         special = tokenizer.special
         self.stop_ids = {special.assistant_end, special.end_of_text}
+        self.grammars = Grammars(tokenizer)
         self.stats = Stats()
         self.sequences: dict[str, Sequence] = {}
         self._inbox: queue.SimpleQueue = queue.SimpleQueue()  # ("submit", seq) / ("cancel", id)
@@ -146,7 +148,8 @@ class Engine:
         budget = params.thinking_budget
         if budget is None and params.tier is not None:
             budget = int(self.budgets[params.tier])
-        seq = Sequence(request, self.tokenizer, budget, self.stop_ids, on_event)
+        matcher = self.grammars.matcher(request.constraint) if request.constraint is not None else None
+        seq = Sequence(request, self.tokenizer, budget, self.stop_ids, on_event, matcher)
         self.sequences[seq.id] = seq
         self._inbox.put(("submit", seq))
         self._wake.set()
@@ -197,9 +200,25 @@ class Engine:
             if seq.num_cached < len(seq.tokens):
                 continue  # mid-prompt: nothing to sample yet
             forced = seq.forced_token()
-            token = forced if forced is not None else sample(row, seq.params, seq.generated, seq.generator)
+            constrained = seq.matcher is not None and not seq.thinking  # thinking stays free
+            allowed = None
+            if constrained and forced is None:
+                closing = finishing(seq.params.max_tokens - seq.num_generated, seq.params.max_tokens, seq.json_scan)
+                allowed = self.grammars.allowed(seq.matcher, row.shape[-1], closing, seq.json_scan.in_string)
+                if not bool(allowed.any()):
+                    self._finish(seq, "error", f"constraint has no allowed token: {seq.matcher.get_error()}")
+                    continue
+            token = forced if forced is not None else sample(row, seq.params, seq.generated, seq.generator, allowed)
             lp, top = logprobs(row, token, seq.params.logprobs) if seq.params.logprobs is not None else (None, None)
             was_thinking = seq.thinking
+            if constrained:
+                if not seq.matcher.consume_token(token):
+                    self._finish(seq, "error", f"constraint rejected token {token}: {seq.matcher.get_error()}")
+                    continue
+                if token < self.grammars.vocab_size and self.grammars.token_bytes[token]:
+                    seq.json_scan.feed(self.grammars.token_bytes[token])
+                else:
+                    seq.json_scan.reset()  # a special token (a call starts or ends): outside any string
             reason = seq.append(token, lp, top, forced is not None)
             generated += 1
             if was_thinking and seq.params.tier is not None and token != seq.think_end:

@@ -7,6 +7,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from horizon.chat.parser import Delta
+from horizon.engine.constraints import ConstraintSpec
 
 TIERS = ("low", "high", "max")
 _ids = itertools.count()
@@ -64,6 +65,7 @@ class Request:
     params: SamplingParams = field(default_factory=SamplingParams)
     request_id: str = field(default_factory=lambda: f"req-{next(_ids)}")
     tools: list[dict[str, Any]] | None = None  # offered tools: the parser reports calls to others
+    constraint: ConstraintSpec | None = None  # what the answer must be (JSON schema, forced tool call, ...)
 
 
 @dataclass

@@ -27,8 +27,11 @@ def adjust_logits(logits: torch.Tensor, params: SamplingParams, generated: list[
 
 
 def sample(logits: torch.Tensor, params: SamplingParams, generated: list[int],
-           generator: torch.Generator | None) -> int:
+           generator: torch.Generator | None, allowed: torch.Tensor | None = None) -> int:
+    """One token id; `allowed` (bool [V]) is a grammar's mask: other tokens get probability 0."""
     logits = adjust_logits(logits.float(), params, generated)
+    if allowed is not None:
+        logits = logits.masked_fill(~allowed, float("-inf"))
     if params.temperature == 0:
         return int(logits.argmax())
     logits = logits / params.temperature

@@ -9,6 +9,7 @@ from collections.abc import Callable
 import torch
 
 from horizon.chat.parser import StreamParser, TextDelta
+from horizon.engine.constraints import JsonScan
 from horizon.engine.params import Event, FinishEvent, Request, TokenEvent, Usage
 from horizon.engine.sampler import StopMatcher
 
@@ -21,7 +22,7 @@ class Status(enum.Enum):
 
 class Sequence:
     def __init__(self, request: Request, tokenizer, thinking_budget: int | None, stop_ids: set[int],
-                 emit: Callable[[Event], None]):
+                 emit: Callable[[Event], None], matcher=None):
         self.request, self.params = request, request.params
         self.id = request.request_id
         self.tokens = list(request.prompt_ids)  # prompt, then generated tokens
@@ -44,7 +45,8 @@ class Sequence:
         self.stopper = StopMatcher(self.params.stop)
         self.arrival = time.perf_counter()
         self.first_token_time: float | None = None
-        self.cancelled = False
+        self.matcher = matcher  # llguidance matcher of the request's constraint (applies after thinking)
+        self.json_scan = JsonScan()  # are we inside a JSON string (constrained output only)
 
     # --- progress ------------------------------------------------------------------------------------
     @property
