@@ -25,10 +25,7 @@ $(STAMP): pyproject.toml
 install: $(STAMP)
 
 serve: $(STAMP)
-	@echo "horizon: the OpenAI/Anthropic-compatible server is not built yet (it lands with the serving issue)."
-	@echo "horizon: it will listen on http://$(HOST):$(PORT) with the bundled tiny model; until then, the deployment plan:"
-	$(VENV)/bin/horizon plan --preset tiny
-	$(VENV)/bin/horizon plan --preset 2.8t
+	$(VENV)/bin/horizon serve --host $(HOST) --port $(PORT) $(SERVE_ARGS)
 
 test: $(STAMP)
 	$(VENV)/bin/ruff check horizon tests bench

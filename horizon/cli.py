@@ -5,6 +5,7 @@
     horizon convert SRC DST [--quantize mxfp4] [--to-dsa]   a Kimi-Linear / DeepSeek-V3.2 folder -> Horizon
     horizon generate [--model PATH] --prompt TEXT [--tier low|high|max]   one answer, streamed
     horizon chat [--model PATH] [--tier ...]                 an interactive conversation (full history kept)
+    horizon serve [--model PATH] [--host H] [--port P] ...   the OpenAI/Anthropic-compatible server
 
 --model defaults to the bundled model (the tiny preset with fixed random weights until a trained
 one ships): it speaks the chat format's tokens, not sense.
@@ -190,6 +191,33 @@ def _cmd_chat(args: argparse.Namespace) -> int:
         messages.append(parser.result().to_message())
 
 
+def _cmd_serve(args: argparse.Namespace) -> int:
+    import os
+
+    import uvicorn
+
+    from horizon.checkpoint import open_model
+    from horizon.engine import Engine, EngineConfig
+    from horizon.server import ModelService, ServerSettings, create_app
+
+    bundle = open_model(args.model)
+    engine = Engine(bundle.model, bundle.tokenizer,
+                    EngineConfig(max_num_seqs=args.max_num_seqs, max_model_len=args.max_model_len,
+                                 max_batch_tokens=args.max_batch_tokens, coverage_every=args.coverage_every),
+                    generation_config=bundle.generation_config)
+    model_id = args.served_model_name or ("horizon-tiny-random" if bundle.source.startswith("bundled")
+                                          else os.path.basename(os.path.abspath(args.model)))
+    service = ModelService(engine, bundle.tokenizer, model_id, history_policy=args.history_policy,
+                           max_queue=args.max_queue)
+    api_key = args.api_key or os.environ.get("HORIZON_API_KEY") or None
+    app = create_app(service, ServerSettings(api_key=api_key, max_body_bytes=args.max_body_bytes,
+                                             signature_key_file=args.signature_key_file))
+    print(f"horizon serve: {model_id} ({bundle.source}) on http://{args.host}:{args.port} "
+          f"(OpenAI /v1/chat/completions, Anthropic /v1/messages; auth {'on' if api_key else 'off'})", flush=True)
+    uvicorn.run(app, host=args.host, port=args.port, log_level=args.log_level, timeout_graceful_shutdown=30)
+    return 0
+
+
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="horizon", description=__doc__,
                                      formatter_class=argparse.RawDescriptionHelpFormatter)
@@ -238,6 +266,26 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--system", default=None, help="a system message")
     sampling(p)
     p.set_defaults(func=_cmd_chat)
+
+    p = sub.add_parser("serve", help="the OpenAI- and Anthropic-compatible HTTP server")
+    p.add_argument("--model", default=None, help="checkpoint folder (default: the bundled model)")
+    p.add_argument("--served-model-name", default=None, help="the model id the APIs report")
+    p.add_argument("--host", default="127.0.0.1")
+    p.add_argument("--port", type=int, default=8000)
+    p.add_argument("--api-key", default=None, help="require this key (default: $HORIZON_API_KEY, else none)")
+    p.add_argument("--history-policy", choices=["reject", "strict", "warn"], default="reject",
+                   help="what to do with tool-call turns that lost their thinking (DESIGN 3)")
+    p.add_argument("--signature-key-file", default=None,
+                   help="HMAC key for thinking signatures (default: ~/.local/state/horizon/thinking-signature.key)")
+    p.add_argument("--max-num-seqs", type=int, default=16, help="sequences decoded together")
+    p.add_argument("--max-model-len", type=int, default=None, help="context window served (default: the model's)")
+    p.add_argument("--max-batch-tokens", type=int, default=512, help="tokens per forward (chunked prefill)")
+    p.add_argument("--max-queue", type=int, default=64, help="waiting requests before 429/529")
+    p.add_argument("--max-body-bytes", type=int, default=16 * 1024 * 1024)
+    p.add_argument("--coverage-every", type=int, default=64,
+                   help="measure the DSA top-k's share of dense attention every N decode steps (0: off)")
+    p.add_argument("--log-level", default="info")
+    p.set_defaults(func=_cmd_serve)
     return parser
 
 

@@ -96,6 +96,32 @@ class Stats:
         return sum(n for _, n in list(self.recent)[1:]) / max(t1 - t0, 1e-9)
 
 
+class EventStream:
+    """One request's events for an asyncio consumer (see Engine.open_stream)."""
+
+    def __init__(self, engine: Engine, request_id: str):
+        self.engine, self.request_id = engine, request_id
+        self.queue: asyncio.Queue[Event] = asyncio.Queue()
+        self.done = False
+
+    def __aiter__(self) -> EventStream:
+        return self
+
+    async def __anext__(self) -> Event:
+        if self.done:
+            raise StopAsyncIteration
+        event = await self.queue.get()
+        if isinstance(event, FinishEvent):
+            self.done = True
+        return event
+
+    def cancel(self) -> None:
+        """Cancel the request unless it already finished (frees its slot and blocks before the next step)."""
+        if not self.done:
+            self.done = True
+            self.engine.cancel(self.request_id)
+
+
 class Engine:
     def __init__(self, model, tokenizer, config: EngineConfig | None = None,
                  generation_config: dict | None = None):
@@ -314,22 +340,22 @@ class Engine:
                 self._wake.wait(timeout=0.05)
                 self._wake.clear()
 
+    def open_stream(self, request: Request) -> EventStream:
+        """Submit now (a bad request raises ValueError here, before anything is streamed) and return
+        its events as an async iterator; call its `cancel()` if the consumer goes away."""
+        loop = asyncio.get_running_loop()
+        stream = EventStream(self, request.request_id)
+        self.submit(request, lambda e: loop.call_soon_threadsafe(stream.queue.put_nowait, e))
+        return stream
+
     async def stream(self, request: Request) -> AsyncIterator[Event]:
         """Submit and yield its events; leaving the loop early (client gone) cancels the request."""
-        loop = asyncio.get_running_loop()
-        events: asyncio.Queue[Event] = asyncio.Queue()
-        self.submit(request, lambda e: loop.call_soon_threadsafe(events.put_nowait, e))
-        finished = False
+        events = self.open_stream(request)
         try:
-            while True:
-                event = await events.get()
+            async for event in events:
                 yield event
-                if isinstance(event, FinishEvent):
-                    finished = True
-                    return
         finally:
-            if not finished:
-                self.cancel(request.request_id)
+            events.cancel()
 
     def clear_prefix_cache(self) -> None:
         """Drop every prefix-cache entry (their blocks return to the pool)."""

@@ -1,0 +1,214 @@
+"""The HTTP server: one FastAPI app over one engine, with the OpenAI and Anthropic adapters mounted.
+
+What is shared by both APIs lives here: request ids, the body-size limit, API-key checks, errors
+in each API's own shape (never a traceback), health, Prometheus metrics, tokenize, and the engine's
+lifetime (started with the app, stopped after the last request drains on shutdown).
+
+Errors: routes under /v1/messages answer in Anthropic's shape
+`{"type": "error", "error": {"type", "message"}}` (overload: 529); everything else in OpenAI's
+`{"error": {"message", "type", "param", "code"}}` (overload: 429).
+"""
+
+from __future__ import annotations
+
+import hmac
+import logging
+import secrets
+from contextlib import asynccontextmanager
+from dataclasses import dataclass
+
+from fastapi import FastAPI, Request
+from fastapi.exceptions import RequestValidationError
+from fastapi.responses import JSONResponse, Response
+from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
+from pydantic import BaseModel
+from starlette.exceptions import HTTPException as StarletteHTTPException
+
+from horizon.server.metrics import ServerMetrics
+from horizon.server.service import ERROR_KINDS, ModelService, ServiceError
+from horizon.server.signatures import ThinkingSigner
+
+log = logging.getLogger("horizon.server")
+
+
+@dataclass
+class ServerSettings:
+    api_key: str | None = None  # None: no authentication
+    max_body_bytes: int = 16 * 1024 * 1024
+    signature_key_file: str | None = None  # None: horizon.server.signatures.default_key_file()
+
+
+def is_anthropic(path: str) -> bool:
+    return path.startswith("/v1/messages")
+
+
+def error_response(path: str, kind: str, message: str, param: str | None = None,
+                   headers: dict[str, str] | None = None) -> JSONResponse:
+    """An error in the shape of the API the path belongs to."""
+    status, openai_type, anthropic_type = ERROR_KINDS[kind]
+    if is_anthropic(path):
+        if kind == "overloaded":
+            status = 529
+        body = {"type": "error", "error": {"type": anthropic_type, "message": message}}
+    else:
+        code = {"authentication": "invalid_api_key", "overloaded": "server_busy",
+                "too_large": "request_too_large", "not_found": "not_found"}.get(kind)
+        body = {"error": {"message": message, "type": openai_type, "param": param, "code": code}}
+    return JSONResponse(body, status_code=status, headers=headers)
+
+
+class BodyLimit:
+    """ASGI middleware: refuse bodies over the limit, whether or not Content-Length is declared."""
+
+    def __init__(self, app, max_bytes: int):
+        self.app, self.max_bytes = app, max_bytes
+
+    async def __call__(self, scope, receive, send):
+        if scope["type"] != "http":
+            return await self.app(scope, receive, send)
+        declared = dict(scope.get("headers") or []).get(b"content-length")
+        too_large = error_response(scope["path"], "too_large",
+                                   f"the request body exceeds the limit of {self.max_bytes} bytes")
+        if declared is not None and declared.isdigit() and int(declared) > self.max_bytes:
+            return await too_large(scope, receive, send)
+        seen, answered = 0, False
+
+        async def limited_receive():
+            nonlocal seen, answered
+            message = await receive()
+            if message["type"] == "http.request":
+                seen += len(message.get("body", b""))
+                if seen > self.max_bytes:
+                    if not answered:  # answer now; the app then sees a client that went away
+                        answered = True
+                        await too_large(scope, receive, send)
+                    return {"type": "http.disconnect"}
+            return message
+
+        async def guarded_send(message):
+            if not answered:
+                await send(message)
+
+        try:
+            await self.app(scope, limited_receive, guarded_send)
+        except Exception:
+            if not answered:
+                raise
+
+
+class TokenizeRequest(BaseModel):
+    text: str | None = None
+    messages: list[dict] | None = None
+    tools: list[dict] | None = None
+    tier: str | None = None
+    add_generation_prompt: bool = True
+
+
+def create_app(service: ModelService, settings: ServerSettings | None = None) -> FastAPI:
+    settings = settings or ServerSettings()
+    engine = service.engine
+
+    @asynccontextmanager
+    async def lifespan(app: FastAPI):
+        engine.start()
+        try:
+            yield
+        finally:
+            engine.stop()
+
+    app = FastAPI(title="Horizon", version="0.1.0", lifespan=lifespan,
+                  description="OpenAI- and Anthropic-compatible serving of Horizon models")
+    app.state.service = service
+    app.state.settings = settings
+    app.state.metrics = metrics = ServerMetrics(engine)
+    app.state.signer = ThinkingSigner(settings.signature_key_file)
+
+    @app.middleware("http")
+    async def request_ids_auth_and_counts(request: Request, call_next):
+        request_id = "req_" + secrets.token_hex(12)
+        request.state.request_id = request_id
+        path = request.url.path
+        response = _check_api_key(request, settings)
+        if response is None:
+            try:
+                response = await call_next(request)
+            except Exception:  # anything a handler did not turn into an API error
+                log.exception("unhandled error in %s %s (%s)", request.method, path, request_id)
+                response = error_response(path, "internal", f"internal error (request id {request_id})")
+        response.headers["x-request-id"] = request_id  # OpenAI's header
+        response.headers["request-id"] = request_id  # Anthropic's header
+        route = request.scope.get("route")
+        metrics.requests.labels(getattr(route, "path", "unmatched"), str(response.status_code)).inc()
+        return response
+
+    @app.exception_handler(ServiceError)
+    async def service_error(request: Request, exc: ServiceError):
+        return error_response(request.url.path, exc.kind, exc.message, exc.param)
+
+    @app.exception_handler(RequestValidationError)
+    async def validation_error(request: Request, exc: RequestValidationError):
+        return error_response(request.url.path, "invalid_request", _validation_message(exc))
+
+    @app.exception_handler(StarletteHTTPException)
+    async def http_error(request: Request, exc: StarletteHTTPException):
+        kind = {401: "authentication", 404: "not_found", 413: "too_large"}.get(exc.status_code, "invalid_request")
+        message = "not found" if exc.status_code == 404 else str(exc.detail)
+        if exc.status_code == 405:
+            message = f"method {request.method} is not allowed on {request.url.path}"
+        return error_response(request.url.path, kind, message)
+
+    @app.get("/health")
+    async def health():
+        m = engine.metrics()
+        return {"status": "ok", "model": service.model_id, "running": m["running"], "queue": m["queue_length"]}
+
+    @app.get("/metrics")
+    async def prometheus():
+        return Response(generate_latest(metrics.registry), media_type=CONTENT_TYPE_LATEST)
+
+    @app.post("/tokenize")
+    async def tokenize(body: TokenizeRequest):
+        """Token ids of plain text, or of a chat as the server would render it."""
+        from horizon.server.service import Conversation
+
+        if (body.text is None) == (body.messages is None):
+            raise ServiceError("invalid_request", "send exactly one of 'text' or 'messages'")
+        if body.text is not None:
+            ids = service.tokenizer.encode(body.text)
+        else:
+            conv = Conversation(body.messages, body.tools, body.tier)
+            ids = service.render(conv, add_generation_prompt=body.add_generation_prompt)
+        return {"model": service.model_id, "tokens": ids, "count": len(ids),
+                "max_model_len": service.context_window}
+
+    app.add_middleware(BodyLimit, max_bytes=settings.max_body_bytes)
+
+    from horizon.server import anthropic, openai
+
+    app.include_router(openai.router)
+    app.include_router(anthropic.router)
+    return app
+
+
+def _check_api_key(request: Request, settings: ServerSettings) -> Response | None:
+    """None when allowed; else a 401 in the route's shape. Compared in constant time."""
+    if not settings.api_key or not request.url.path.startswith("/v1/"):
+        return None
+    path = request.url.path
+    if is_anthropic(path):
+        given = request.headers.get("x-api-key", "")
+    else:
+        auth = request.headers.get("authorization", "")
+        given = auth[7:] if auth[:7].lower() == "bearer " else ""
+    if given and hmac.compare_digest(given.encode(), settings.api_key.encode()):
+        return None
+    where = "x-api-key header" if is_anthropic(path) else "Authorization: Bearer header"
+    return error_response(path, "authentication", f"missing or invalid API key (send it in the {where})")
+
+
+def _validation_message(exc: RequestValidationError) -> str:
+    parts = []
+    for err in exc.errors()[:5]:
+        loc = ".".join(str(x) for x in err.get("loc", ()) if x != "body")
+        parts.append(f"{loc or 'body'}: {err.get('msg', 'invalid')}")
+    return "invalid request: " + "; ".join(parts)

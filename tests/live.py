@@ -1,0 +1,52 @@
+"""A live uvicorn server on a free port, for tests that drive the HTTP APIs with the real SDKs."""
+
+from __future__ import annotations
+
+import socket
+import threading
+import time
+
+import uvicorn
+
+from horizon.checkpoint import open_model
+from horizon.engine import Engine, EngineConfig
+from horizon.server import ModelService, ServerSettings, create_app
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+class LiveServer:
+    """`with LiveServer(tmp_path, api_key="k") as srv: srv.url ...`; srv.engine / srv.service / srv.app."""
+
+    def __init__(self, key_dir, api_key: str | None = "test-key", history_policy: str = "reject",
+                 max_queue: int = 64, engine_config: EngineConfig | None = None, max_body_bytes: int = 1 << 20):
+        bundle = open_model()
+        self.engine = Engine(bundle.model, bundle.tokenizer,
+                             engine_config or EngineConfig(max_num_seqs=4, max_model_len=2048, max_batch_tokens=256),
+                             generation_config=bundle.generation_config)
+        self.service = ModelService(self.engine, bundle.tokenizer, "horizon-test", history_policy=history_policy,
+                                    max_queue=max_queue)
+        self.app = create_app(self.service, ServerSettings(api_key=api_key, max_body_bytes=max_body_bytes,
+                                                           signature_key_file=str(key_dir / "signature.key")))
+        self.api_key = api_key
+        self.port = free_port()
+        self.url = f"http://127.0.0.1:{self.port}"
+        self.server = uvicorn.Server(uvicorn.Config(self.app, host="127.0.0.1", port=self.port, log_level="warning"))
+        self.thread = threading.Thread(target=self.server.run, daemon=True)
+
+    def __enter__(self) -> LiveServer:
+        self.thread.start()
+        deadline = time.time() + 30
+        while not self.server.started:
+            if time.time() > deadline or not self.thread.is_alive():
+                raise RuntimeError("the test server did not start")
+            time.sleep(0.02)
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.server.should_exit = True
+        self.thread.join(timeout=30)
