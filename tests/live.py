@@ -20,14 +20,19 @@ def free_port() -> int:
 
 
 class LiveServer:
-    """`with LiveServer(tmp_path, api_key="k") as srv: srv.url ...`; srv.engine / srv.service / srv.app."""
+    """`with LiveServer(tmp_path, api_key="k") as srv: srv.url ...`; srv.engine / srv.service / srv.app.
+
+    `generation_config` entries override the bundled model's (e.g. `{"thinking_budgets": {"low": 4}}`:
+    small tier budgets keep thinking requests short on the random model, which never stops thinking).
+    """
 
     def __init__(self, key_dir, api_key: str | None = "test-key", history_policy: str = "reject",
-                 max_queue: int = 64, engine_config: EngineConfig | None = None, max_body_bytes: int = 1 << 20):
+                 max_queue: int = 64, engine_config: EngineConfig | None = None, max_body_bytes: int = 1 << 20,
+                 generation_config: dict | None = None):
         bundle = open_model()
         self.engine = Engine(bundle.model, bundle.tokenizer,
                              engine_config or EngineConfig(max_num_seqs=4, max_model_len=2048, max_batch_tokens=256),
-                             generation_config=bundle.generation_config)
+                             generation_config={**bundle.generation_config, **(generation_config or {})})
         self.service = ModelService(self.engine, bundle.tokenizer, "horizon-test", history_policy=history_policy,
                                     max_queue=max_queue)
         self.app = create_app(self.service, ServerSettings(api_key=api_key, max_body_bytes=max_body_bytes,

@@ -224,3 +224,21 @@ def test_generate_and_chat_commands_stream_from_the_bundled_model():
                          capture_output=True, text=True, timeout=120)
     assert out.returncode == 0, out.stderr
     assert out.stdout.count("[length; 5 tokens") == 2
+
+
+def test_a_reply_that_re_renders_differently_still_resumes_from_the_previous_prompt(model):
+    e = engine(model)
+    first = prompts(30)[0]
+    turn1 = e.generate([Request(first, SamplingParams(max_tokens=8, temperature=0, ignore_eos=True))])[0]
+    # the client's copy of the reply tokenises differently: only the previous prompt is a shared prefix
+    altered = [t + 1 for t in turn1.token_ids]
+    second = first + altered + prompts(5, seed=2)[0]
+    res = e.generate([Request(second, SamplingParams(max_tokens=4, temperature=0, ignore_eos=True))])[0]
+    assert res.usage.cached_tokens == len(first)
+    fresh = engine(model).generate([Request(second, SamplingParams(max_tokens=4, temperature=0,
+                                                                   ignore_eos=True))])[0]
+    assert fresh.token_ids == res.token_ids
+    # the exact continuation still resumes from the longer, end-of-turn entry
+    exact = first + turn1.token_ids + prompts(5, seed=3)[0]
+    res = e.generate([Request(exact, SamplingParams(max_tokens=4, temperature=0, ignore_eos=True))])[0]
+    assert res.usage.cached_tokens == len(first) + len(turn1.token_ids) - 1

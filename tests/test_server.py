@@ -39,6 +39,8 @@ def test_api_keys_are_required_in_each_apis_header(server):
     r = httpx.get(server.url + "/v1/models", headers={"Authorization": "Bearer wrong"})
     assert r.status_code == 401
     r = httpx.post(server.url + "/v1/messages", json={}, headers={"Authorization": f"Bearer {server.api_key}"})
+    assert r.status_code == 400  # Anthropic routes also take a Bearer token (its SDK may send one)
+    r = httpx.post(server.url + "/v1/messages", json={}, headers={"x-api-key": "wrong"})
     assert r.status_code == 401 and r.json() == {
         "type": "error", "error": {"type": "authentication_error",
                                    "message": "missing or invalid API key (send it in the x-api-key header)"}}

@@ -3,11 +3,14 @@
 - `BlockPool`: fixed-size blocks of DSA rows, a free list and reference counts (a full block can be
   shared by several sequences and by prefix-cache entries).
 - `SlotPool`: per-sequence KDA state slots.
-- `PrefixCache`: what a finished request leaves behind for the next turn of the same conversation:
-  its token ids, a copy of its KDA states and conv tails at its last position (one snapshot per
-  request, not per block: a full-size snapshot is hundreds of MB), and references to its DSA
-  blocks. A new prompt that extends an entry's tokens resumes from it. Entries are evicted least
-  recently used when their snapshot bytes exceed the cap, or when the block pool runs dry.
+- `PrefixCache`: what a request leaves behind for the next turn of the same conversation: token
+  ids, a copy of the KDA states and conv tails at that position, and references to the DSA blocks.
+  Two snapshots per request at most (not one per block: a full-size snapshot is hundreds of MB):
+  where its prompt ends, and where it finished. The second serves the next turn when the client
+  sends the reply back token-exact; the first still serves it when the reply re-renders
+  differently (a model's tokens need not be the tokenizer's canonical encoding of its text). A
+  new prompt that extends an entry's tokens resumes from the longest such entry. Entries are
+  evicted least recently used when their snapshot bytes exceed the cap, or when the pool runs dry.
 """
 
 from __future__ import annotations
@@ -65,6 +68,7 @@ class PrefixEntry:
     state: list[tuple[torch.Tensor, torch.Tensor]]  # KDA states and conv tails after the last token
     blocks: list[int]  # DSA blocks holding rows 0 .. len-1 (one reference each)
     nbytes: int
+    prompt_end: bool  # taken where a prompt ended (not after generated tokens)
 
 
 class PrefixCache:
@@ -78,16 +82,19 @@ class PrefixCache:
     def __len__(self) -> int:
         return len(self.entries)
 
-    def add(self, tokens: list[int], state, blocks: list[int]) -> None:
+    def add(self, tokens: list[int], state, blocks: list[int], prompt_end: bool = False) -> None:
         nbytes = sum(s.nbytes + c.nbytes for s, c in state)
         if nbytes > self.max_bytes or not tokens:
             return
         for block in blocks:
             self.pool.incref(block)
-        # an entry that is a prefix of the new one is superseded (the new one resumes everything it could)
-        for key in [k for k, e in self.entries.items() if tokens[: len(e.tokens)] == e.tokens]:
+        # entries that are prefixes of the new one are superseded, except that an entry ending in
+        # generated tokens keeps the prompt-end entry it grew from (the fallback when a reply re-renders
+        # differently)
+        for key in [k for k, e in self.entries.items()
+                    if tokens[: len(e.tokens)] == e.tokens and (prompt_end or not e.prompt_end)]:
             self._drop(key)
-        self.entries[self._next] = PrefixEntry(list(tokens), state, list(blocks), nbytes)
+        self.entries[self._next] = PrefixEntry(list(tokens), state, list(blocks), nbytes, prompt_end)
         self._next += 1
         self.nbytes += nbytes
         while self.nbytes > self.max_bytes:

@@ -225,6 +225,8 @@ class Engine:
             seq.num_cached += n
             if seq.num_cached < len(seq.tokens):
                 continue  # mid-prompt: nothing to sample yet
+            if seq.num_generated == 0 and seq.cached_prompt_tokens < seq.prompt_len:
+                self.scheduler.remember_prompt(seq)  # the next turn can resume here at least
             forced = seq.forced_token()
             constrained = seq.matcher is not None and not seq.thinking  # thinking stays free
             allowed = None

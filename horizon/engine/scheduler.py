@@ -161,6 +161,12 @@ class Scheduler:
         self.waiting.appendleft(seq)
         self.preemptions += 1
 
+    def remember_prompt(self, seq: Sequence) -> None:
+        """Snapshot a sequence whose prompt has just been computed (before its first generated token)."""
+        n = seq.prompt_len
+        self.prefix.add(seq.tokens[:n], self.cache.snapshot_state(seq.slot),
+                        seq.blocks[: math.ceil(n / self.block_size)], prompt_end=True)
+
     def finish(self, seq: Sequence, keep_prefix: bool) -> None:
         """Release a finished sequence; with keep_prefix its state goes to the prefix cache first."""
         if keep_prefix and seq.slot is not None and seq.num_cached:

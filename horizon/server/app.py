@@ -195,11 +195,10 @@ def _check_api_key(request: Request, settings: ServerSettings) -> Response | Non
     if not settings.api_key or not request.url.path.startswith("/v1/"):
         return None
     path = request.url.path
-    if is_anthropic(path):
-        given = request.headers.get("x-api-key", "")
-    else:
-        auth = request.headers.get("authorization", "")
-        given = auth[7:] if auth[:7].lower() == "bearer " else ""
+    auth = request.headers.get("authorization", "")
+    bearer = auth[7:] if auth[:7].lower() == "bearer " else ""
+    # Anthropic's API takes x-api-key; its current SDK may send a Bearer token instead: accept either
+    given = (request.headers.get("x-api-key") or bearer) if is_anthropic(path) else bearer
     if given and hmac.compare_digest(given.encode(), settings.api_key.encode()):
         return None
     where = "x-api-key header" if is_anthropic(path) else "Authorization: Bearer header"

@@ -72,7 +72,10 @@ class ModelService:
 
     def check_history(self, conv: Conversation) -> list[HistoryIssue]:
         """Errors raise ServiceError naming the message; warnings are returned."""
-        issues = validate_history(conv.messages, tier=conv.tier, policy=self.history_policy, tools=conv.tools)
+        try:
+            issues = validate_history(conv.messages, tier=conv.tier, policy=self.history_policy, tools=conv.tools)
+        except ValueError as e:  # malformed tool definitions (duplicate names, bad schemas)
+            raise ServiceError("invalid_request", str(e), param="tools") from None
         errors = [i for i in issues if i.severity == "error"]
         if errors:
             first = errors[0]
