@@ -28,7 +28,9 @@ def test_sigterm_lets_the_running_stream_finish_then_exits(tmp_path):
         chunks: list[dict] = []
 
         def stream():
-            body = {"model": "horizon-tiny-random", "stream": True, "max_tokens": 200,
+            # the end-of-turn tokens banned: the random model runs to max_tokens, well past the SIGTERM
+            ends = {str(t): -100 for t in (0, 6)}
+            body = {"model": "horizon-tiny-random", "stream": True, "max_tokens": 200, "logit_bias": ends,
                     "messages": [{"role": "user", "content": "hello"}]}
             with httpx.stream("POST", url + "/v1/chat/completions", json=body, timeout=60) as r:
                 for line in r.iter_lines():
