@@ -191,31 +191,98 @@ def _cmd_chat(args: argparse.Namespace) -> int:
         messages.append(parser.result().to_message())
 
 
-def _cmd_serve(args: argparse.Namespace) -> int:
+def _build_app(model: str | None, served_model_name: str | None = None, api_key: str | None = None,
+               history_policy: str = "reject", signature_key_file: str | None = None, max_num_seqs: int = 16,
+               max_model_len: int | None = None, max_batch_tokens: int = 512, coverage_every: int = 64,
+               max_queue: int = 64, max_body_bytes: int = 16 * 1024 * 1024):
+    """(the FastAPI app over one engine, the served model id, the checkpoint's source)."""
     import os
-
-    import uvicorn
 
     from horizon.checkpoint import open_model
     from horizon.engine import Engine, EngineConfig
     from horizon.server import ModelService, ServerSettings, create_app
 
-    bundle = open_model(args.model)
+    bundle = open_model(model)
     engine = Engine(bundle.model, bundle.tokenizer,
-                    EngineConfig(max_num_seqs=args.max_num_seqs, max_model_len=args.max_model_len,
-                                 max_batch_tokens=args.max_batch_tokens, coverage_every=args.coverage_every),
+                    EngineConfig(max_num_seqs=max_num_seqs, max_model_len=max_model_len,
+                                 max_batch_tokens=max_batch_tokens, coverage_every=coverage_every),
                     generation_config=bundle.generation_config)
-    model_id = args.served_model_name or ("horizon-tiny-random" if bundle.source.startswith("bundled")
-                                          else os.path.basename(os.path.abspath(args.model)))
-    service = ModelService(engine, bundle.tokenizer, model_id, history_policy=args.history_policy,
-                           max_queue=args.max_queue)
+    model_id = served_model_name or ("horizon-tiny-random" if bundle.source.startswith("bundled")
+                                     else os.path.basename(os.path.abspath(model)))
+    service = ModelService(engine, bundle.tokenizer, model_id, history_policy=history_policy, max_queue=max_queue)
+    app = create_app(service, ServerSettings(api_key=api_key, max_body_bytes=max_body_bytes,
+                                             signature_key_file=signature_key_file))
+    return app, model_id, bundle.source
+
+
+def _cmd_serve(args: argparse.Namespace) -> int:
+    import os
+
+    import uvicorn
+
     api_key = args.api_key or os.environ.get("HORIZON_API_KEY") or None
-    app = create_app(service, ServerSettings(api_key=api_key, max_body_bytes=args.max_body_bytes,
-                                             signature_key_file=args.signature_key_file))
-    print(f"horizon serve: {model_id} ({bundle.source}) on http://{args.host}:{args.port} "
+    app, model_id, source = _build_app(args.model, args.served_model_name, api_key, args.history_policy,
+                                       args.signature_key_file, args.max_num_seqs, args.max_model_len,
+                                       args.max_batch_tokens, args.coverage_every, args.max_queue,
+                                       args.max_body_bytes)
+    print(f"horizon serve: {model_id} ({source}) on http://{args.host}:{args.port} "
           f"(OpenAI /v1/chat/completions, Anthropic /v1/messages; auth {'on' if api_key else 'off'})", flush=True)
     uvicorn.run(app, host=args.host, port=args.port, log_level=args.log_level, timeout_graceful_shutdown=30)
     return 0
+
+
+def _cmd_agent(args: argparse.Namespace) -> int:
+    import contextlib
+    import os
+
+    from horizon.agent import Agent, AgentConfig, ClientError, HTTPClient, Transcript, fixed_policy, replay
+    from horizon.agent.display import AgentPrinter
+    from horizon.agent.registry import make_tools
+
+    names = [n.strip() for n in args.tools.split(",") if n.strip()] if args.tools else []
+    tools = make_tools(names, args.root)
+    printer = AgentPrinter()
+    transcript = Transcript(args.transcript) if args.transcript else None
+    if args.replay:
+        result = replay(args.replay, tools=tools if args.rerun_tools else None, on_event=printer,
+                        transcript=transcript)
+        return 1 if result.stop_reason == "error" else 0
+    if not args.task:
+        raise ValueError("give a task (or --replay TRANSCRIPT)")
+    if args.api == "anthropic" and args.tier and args.force_tool:
+        raise ValueError("the Anthropic API refuses a forced tool choice with thinking on: drop --tier or "
+                         "--force-tool, or use --api openai")
+    api_key = args.api_key or os.environ.get("HORIZON_API_KEY") or None
+    with contextlib.ExitStack() as stack:
+        base_url = args.base_url
+        if base_url is None:  # our own server on a free local port, over the same HTTP as any endpoint
+            import tempfile
+
+            from horizon.server.background import BackgroundServer
+
+            # thinking signatures only need to verify within this run: a throwaway key
+            keys = stack.enter_context(tempfile.TemporaryDirectory(prefix="horizon-agent-"))
+            app, model_id, source = _build_app(args.model, api_key=api_key, max_num_seqs=4,
+                                               signature_key_file=os.path.join(keys, "signature.key"))
+            server = stack.enter_context(BackgroundServer(app))
+            base_url = server.url
+            printer.note(f"{model_id} ({source}) served in-process on {base_url}")
+        try:
+            client = HTTPClient(base_url, api=args.api, model=args.served_model, api_key=api_key,
+                                stream=not args.no_stream)
+        except ClientError as e:
+            printer.note(f"horizon agent: cannot use {base_url}: {e}")
+            return 1
+        stack.callback(client.close)
+        config = AgentConfig(max_steps=args.max_steps, max_total_tokens=args.max_total_tokens,
+                             max_tokens_per_step=args.max_tokens_per_step, system=args.system,
+                             temperature=args.temperature, seed=args.seed)
+        agent = Agent(client, tools, fixed_policy(args.tier, args.force_tool), config, printer, transcript)
+        result = agent.run(args.task)
+    if transcript:
+        transcript.close()
+        printer.note(f"transcript: {args.transcript}")
+    return 1 if result.stop_reason == "error" else 0
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -286,6 +353,33 @@ def build_parser() -> argparse.ArgumentParser:
                    help="measure the DSA top-k's share of dense attention every N decode steps (0: off)")
     p.add_argument("--log-level", default="info")
     p.set_defaults(func=_cmd_serve)
+
+    p = sub.add_parser("agent", help="work on a task with tools, streaming thinking, calls and results")
+    p.add_argument("task", nargs="?", default=None, help="what to do (the first user message)")
+    src = p.add_mutually_exclusive_group()
+    src.add_argument("--model", default=None, help="checkpoint folder served in-process (default: the bundled model)")
+    src.add_argument("--base-url", default=None, help="an OpenAI- or Anthropic-compatible server (its root URL)")
+    p.add_argument("--api", choices=["openai", "anthropic"], default="openai", help="the wire format to speak")
+    p.add_argument("--api-key", default=None, help="default: $HORIZON_API_KEY")
+    p.add_argument("--served-model", default=None, help="the model id to ask for (default: the first listed)")
+    p.add_argument("--tools", default="calculator",
+                   help="comma-separated: calculator, files, shell, terminal (default: calculator)")
+    p.add_argument("--root", default=None, help="the folder files and shell may use (required for them)")
+    p.add_argument("--tier", choices=["low", "high", "max"], default=None, help="thinking tier (default: off)")
+    p.add_argument("--force-tool", default=None, metavar="required|NAME",
+                   help="force a tool call on the first step (any tool, or the named one)")
+    p.add_argument("--max-steps", type=int, default=16)
+    p.add_argument("--max-total-tokens", type=int, default=None, help="completion tokens over all steps")
+    p.add_argument("--max-tokens-per-step", type=int, default=1024)
+    p.add_argument("--system", default=None, help="a system prompt")
+    p.add_argument("--temperature", type=float, default=None)
+    p.add_argument("--seed", type=int, default=None)
+    p.add_argument("--transcript", default=None, help="write every request, response and tool call here (JSONL)")
+    p.add_argument("--no-stream", action="store_true", help="ask for whole responses instead of streams")
+    p.add_argument("--replay", default=None, metavar="TRANSCRIPT",
+                   help="run a recorded session again, checking every request against the recorded one")
+    p.add_argument("--rerun-tools", action="store_true", help="with --replay: execute the tools again")
+    p.set_defaults(func=_cmd_agent)
     return parser
 
 

@@ -2,24 +2,13 @@
 
 from __future__ import annotations
 
-import socket
-import threading
-import time
-
-import uvicorn
-
 from horizon.checkpoint import open_model
 from horizon.engine import Engine, EngineConfig
 from horizon.server import ModelService, ServerSettings, create_app
+from horizon.server.background import BackgroundServer
 
 
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
-class LiveServer:
+class LiveServer(BackgroundServer):
     """`with LiveServer(tmp_path, api_key="k") as srv: srv.url ...`; srv.engine / srv.service / srv.app.
 
     `generation_config` entries override the bundled model's (e.g. `{"thinking_budgets": {"low": 4}}`:
@@ -38,20 +27,4 @@ class LiveServer:
         self.app = create_app(self.service, ServerSettings(api_key=api_key, max_body_bytes=max_body_bytes,
                                                            signature_key_file=str(key_dir / "signature.key")))
         self.api_key = api_key
-        self.port = free_port()
-        self.url = f"http://127.0.0.1:{self.port}"
-        self.server = uvicorn.Server(uvicorn.Config(self.app, host="127.0.0.1", port=self.port, log_level="warning"))
-        self.thread = threading.Thread(target=self.server.run, daemon=True)
-
-    def __enter__(self) -> LiveServer:
-        self.thread.start()
-        deadline = time.time() + 30
-        while not self.server.started:
-            if time.time() > deadline or not self.thread.is_alive():
-                raise RuntimeError("the test server did not start")
-            time.sleep(0.02)
-        return self
-
-    def __exit__(self, *exc) -> None:
-        self.server.should_exit = True
-        self.thread.join(timeout=30)
+        super().__init__(self.app)

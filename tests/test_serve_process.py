@@ -9,7 +9,7 @@ import time
 
 import httpx
 
-from .live import free_port
+from horizon.server.background import free_port
 
 
 def test_sigterm_lets_the_running_stream_finish_then_exits(tmp_path):
