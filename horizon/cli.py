@@ -194,7 +194,7 @@ def _cmd_chat(args: argparse.Namespace) -> int:
 def _build_app(model: str | None, served_model_name: str | None = None, api_key: str | None = None,
                history_policy: str = "reject", signature_key_file: str | None = None, max_num_seqs: int = 16,
                max_model_len: int | None = None, max_batch_tokens: int = 512, coverage_every: int = 64,
-               max_queue: int = 64, max_body_bytes: int = 16 * 1024 * 1024):
+               max_queue: int = 64, max_body_bytes: int = 16 * 1024 * 1024, local_images: str | None = None):
     """(the FastAPI app over one engine, the served model id, the checkpoint's source)."""
     import os
 
@@ -209,7 +209,11 @@ def _build_app(model: str | None, served_model_name: str | None = None, api_key:
                     generation_config=bundle.generation_config)
     model_id = served_model_name or ("horizon-tiny-random" if bundle.source.startswith("bundled")
                                      else os.path.basename(os.path.abspath(model)))
-    service = ModelService(engine, bundle.tokenizer, model_id, history_policy=history_policy, max_queue=max_queue)
+    from horizon.chat.images import ImageLimits
+
+    limits = ImageLimits(allow_local_files=True, local_root=local_images) if local_images else ImageLimits()
+    service = ModelService(engine, bundle.tokenizer, model_id, history_policy=history_policy, max_queue=max_queue,
+                           image_limits=limits)
     app = create_app(service, ServerSettings(api_key=api_key, max_body_bytes=max_body_bytes,
                                              signature_key_file=signature_key_file))
     return app, model_id, bundle.source
@@ -224,7 +228,7 @@ def _cmd_serve(args: argparse.Namespace) -> int:
     app, model_id, source = _build_app(args.model, args.served_model_name, api_key, args.history_policy,
                                        args.signature_key_file, args.max_num_seqs, args.max_model_len,
                                        args.max_batch_tokens, args.coverage_every, args.max_queue,
-                                       args.max_body_bytes)
+                                       args.max_body_bytes, args.allow_local_images)
     print(f"horizon serve: {model_id} ({source}) on http://{args.host}:{args.port} "
           f"(OpenAI /v1/chat/completions, Anthropic /v1/messages; auth {'on' if api_key else 'off'})", flush=True)
     uvicorn.run(app, host=args.host, port=args.port, log_level=args.log_level, timeout_graceful_shutdown=30)
@@ -351,6 +355,8 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--max-body-bytes", type=int, default=16 * 1024 * 1024)
     p.add_argument("--coverage-every", type=int, default=64,
                    help="measure the DSA top-k's share of dense attention every N decode steps (0: off)")
+    p.add_argument("--allow-local-images", default=None, metavar="DIR",
+                   help="accept image parts that name files under DIR (default: base64 data URLs only)")
     p.add_argument("--log-level", default="info")
     p.set_defaults(func=_cmd_serve)
 

@@ -100,6 +100,15 @@ class ModelConfig:
     routed_scaling_factor: float = 1.0
     norm_topk_prob: bool = True
 
+    # --- vision encoder (horizon/model/vision.py); vision_layers=0: a text-only model ---
+    vision_layers: int = 0
+    vision_hidden_size: int = 64
+    vision_num_heads: int = 4
+    vision_intermediate_size: int = 128
+    vision_patch_size: int = 8  # pixels per patch side
+    vision_merge: int = 2  # merge x merge patches become one image token
+    vision_max_tokens: int = 64  # image tokens per image at most (a larger image is scaled down)
+
     extra: dict[str, Any] = field(default_factory=dict)  # free-form notes kept in config.json
 
     model_type = "horizon"  # class constant, written to config.json
@@ -181,6 +190,16 @@ class ModelConfig:
         if self.topk_group * per_group < self.num_experts_per_tok:
             fail("topk_group", f"the kept groups hold {self.topk_group * per_group} experts, fewer than "
                  f"num_experts_per_tok ({self.num_experts_per_tok})")
+        if not isinstance(self.vision_layers, int) or isinstance(self.vision_layers, bool) or self.vision_layers < 0:
+            fail("vision_layers", "must be an integer >= 0 (0: no vision encoder)")
+        if self.vision_layers:
+            for name in ("vision_hidden_size", "vision_num_heads", "vision_intermediate_size", "vision_patch_size",
+                         "vision_merge", "vision_max_tokens"):
+                value = getattr(self, name)
+                if not isinstance(value, int) or isinstance(value, bool) or value < 1:
+                    fail(name, "must be an integer >= 1")
+            if self.vision_hidden_size % self.vision_num_heads:
+                fail("vision_num_heads", f"must divide vision_hidden_size ({self.vision_hidden_size})")
         if not isinstance(self.extra, dict):
             fail("extra", "must be a JSON object")
 

@@ -4,8 +4,10 @@ Everything is counted from a model and a cache built on the meta device (no memo
 so the 2.8T configuration is planned in a second): the counts are sums of the built modules'
 numel, not formulas kept beside them.
 
-- active parameters: every parameter except the routed experts a token does not choose, i.e. the
-  routed experts count k/E of their size (embeddings and LM head in full);
+- active parameters: what one text token runs through: every parameter except the routed experts
+  it does not choose (they count k/E of their size; embeddings and LM head in full) and the vision
+  encoder, which runs once per image, not per token;
+- vision parameters: the image encoder's (part of the total);
 - MXFP4 weights: routed experts in MXFP4 (blocks of 32 values: 16 bytes of nibbles + 1 scale
   byte = 4.25 bits per weight), everything else bf16 (DESIGN 2);
 - cache per token: the latent row and the indexer key of every DSA layer, in the model dtype;
@@ -53,7 +55,9 @@ def count_parameters(model: torch.nn.Module) -> dict[str, int]:
     if routed:
         k, E = cfg.num_experts_per_tok, cfg.n_routed_experts
         active_routed = routed * k // E  # each expert holds exactly 1/E of the stacked tensors
-    return {"total": total, "routed": routed, "active": total - routed + active_routed}
+    vision = getattr(model, "vision", None)
+    n_vision = sum(p.numel() for p in vision.parameters()) if vision is not None else 0
+    return {"total": total, "routed": routed, "vision": n_vision, "active": total - routed + active_routed - n_vision}
 
 
 def plan(config: ModelConfig, context: int | None = None) -> dict:
@@ -77,6 +81,7 @@ def plan(config: ModelConfig, context: int | None = None) -> dict:
         "total_params": counts["total"],
         "active_params": counts["active"],
         "routed_expert_params": counts["routed"],
+        "vision_params": counts["vision"],
         "num_layers": config.num_layers,
         "num_dsa_layers": len(config.dsa_layers),
         "num_kda_layers": len(config.kda_layers),
@@ -111,6 +116,8 @@ def render_plan(name: str, p: dict) -> None:
                   f"{p['active_params']:,}  ({_human(p['active_params'], '')}, "
                   f"{100 * p['active_params'] / p['total_params']:.1f}%)")
     table.add_row("layers", f"{p['num_layers']} = {p['num_dsa_layers']} Gated DSA + {p['num_kda_layers']} KDA")
+    table.add_row("vision encoder (runs once per image)",
+                  f"{p['vision_params']:,}  ({_human(p['vision_params'], '')})" if p["vision_params"] else "none")
     table.add_row("weights, bf16", _human(p["weight_bytes_bf16"]))
     table.add_row("weights, MXFP4 experts + bf16 rest", _human(p["weight_bytes_mxfp4"]))
     table.add_row("DSA cache per token", _human(p["cache_bytes_per_token"]))

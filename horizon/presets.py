@@ -18,6 +18,9 @@ PRESETS: dict[str, dict] = {
         index_n_heads=8, index_head_dim=16, index_topk=16,
         n_routed_experts=8, num_experts_per_tok=2, moe_intermediate_size=32, n_shared_experts=1,
         n_group=2, topk_group=1, routed_scaling_factor=1.0,
+        # a 2-layer ViT: 8-px patches merged 2x2, so one image token per 16x16 pixels, at most 64
+        vision_layers=2, vision_hidden_size=64, vision_num_heads=4, vision_intermediate_size=128,
+        vision_patch_size=8, vision_merge=2, vision_max_tokens=64,
     ),
     # A CPU benchmark size: ~0.6B total / ~0.1B active. Full-size top_k (2048), so contexts above
     # 2K really run sparse.
@@ -30,6 +33,8 @@ PRESETS: dict[str, dict] = {
         index_n_heads=8, index_head_dim=64, index_topk=2048,
         n_routed_experts=64, num_experts_per_tok=4, moe_intermediate_size=512, n_shared_experts=1,
         n_group=4, topk_group=2, routed_scaling_factor=2.0,
+        vision_layers=4, vision_hidden_size=256, vision_num_heads=4, vision_intermediate_size=1024,
+        vision_patch_size=14, vision_merge=2, vision_max_tokens=256,
     ),
     # The seeds' model: 93 layers (24 Gated DSA + 69 KDA by the every-4th-and-last schedule),
     # top_k 2048, a 1,048,576-token context, ~2.8T total / ~104B active parameters.
@@ -45,6 +50,9 @@ PRESETS: dict[str, dict] = {
     #    4 groups kept, DeepSeek-style), 16 routed + 2 shared per token meets both totals to
     #    within 0.5%; `horizon plan --preset 2.8t` prints the counts from the built modules.
     #  * no rotary embedding in MLA (KDA carries position); routed_scaling_factor 2.5 (DeepSeek).
+    #  * vision: a SigLIP-so400m-sized ViT (27 layers, 1152 wide, 16 heads, MLP 4304; ~0.4B, as
+    #    Kimi's MoonViT), 14-px patches merged 2x2 (one token per 28x28 pixels), up to 4096 tokens
+    #    per image (a 1792x1792 screenshot at full resolution).
     "2.8t": dict(
         vocab_size=163840, hidden_size=7168, num_layers=93, first_k_dense=1, intermediate_size=18432,
         max_position_embeddings=1048576, dtype="bfloat16",
@@ -54,5 +62,7 @@ PRESETS: dict[str, dict] = {
         index_n_heads=64, index_head_dim=128, index_topk=2048,
         n_routed_experts=608, num_experts_per_tok=16, moe_intermediate_size=2304, n_shared_experts=2,
         n_group=8, topk_group=4, routed_scaling_factor=2.5,
+        vision_layers=27, vision_hidden_size=1152, vision_num_heads=16, vision_intermediate_size=4304,
+        vision_patch_size=14, vision_merge=2, vision_max_tokens=4096,
     ),
 }

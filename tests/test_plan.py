@@ -37,7 +37,25 @@ def test_tiny_plan_equals_a_real_models_parameter_count():
     assert p["total_params"] == sum(t.numel() for t in model.parameters())
     cfg = model.config
     experts = sum(t.numel() for n, t in model.named_parameters() if ".experts." in n)
-    assert p["active_params"] == p["total_params"] - experts + experts * cfg.num_experts_per_tok // cfg.n_routed_experts
+    vision = sum(t.numel() for n, t in model.named_parameters() if n.startswith("vision."))
+    assert vision > 0 and p["vision_params"] == vision
+    # the vision encoder runs once per image, not per token: in the total, not in the active count
+    active_experts = experts * cfg.num_experts_per_tok // cfg.n_routed_experts
+    assert p["active_params"] == p["total_params"] - experts + active_experts - vision
+
+
+def test_plan_counts_the_vision_encoder():
+    base = plan(tiny())
+    cfg = tiny()
+    D, inner = cfg.vision_hidden_size, cfg.vision_intermediate_size
+    per_block = 2 * 2 * D + (3 * D * D + 3 * D) + (D * D + D) + (D * inner + inner) + (inner * D + D)
+    deeper = plan(tiny(vision_layers=cfg.vision_layers + 1))
+    assert deeper["vision_params"] - base["vision_params"] == per_block
+    assert deeper["total_params"] - base["total_params"] == per_block
+    assert deeper["active_params"] == base["active_params"]
+    text_only = plan(tiny(vision_layers=0))
+    assert text_only["vision_params"] == 0
+    assert base["total_params"] - text_only["total_params"] == base["vision_params"]
 
 
 def test_changing_one_dimension_moves_the_count_by_what_the_architecture_implies():

@@ -113,9 +113,9 @@ def test_attention_quantizes_only_the_listed_projections_never_gates_router_embe
                              for n in quantized)
     gates = {"f_a_proj", "f_b_proj", "b_proj", "g_a_proj", "g_b_proj", "gate_a", "gate_b"}  # KDA's and DSA's
     for name, m in model.named_modules():
-        if isinstance(m, nn.Linear):  # what stays full precision: gates, the indexer, the MLPs, the head
+        if isinstance(m, nn.Linear):  # full precision: gates, the indexer, the MLPs, the head, the vision encoder
             assert (name.rsplit(".", 1)[-1] in gates or ".indexer." in name or ".mlp." in name
-                    or name == "lm_head"), name
+                    or name == "lm_head" or name.startswith("vision.")), name
     assert isinstance(model.embed, nn.Embedding) and isinstance(model.lm_head, nn.Linear)
     assert all(isinstance(m.gate.weight, nn.Parameter) for m in model.modules() if hasattr(m, "shared_experts"))
 

@@ -17,6 +17,7 @@ The engine knows token ids and the chat format's special tokens, never HTTP.
 from __future__ import annotations
 
 import asyncio
+import hashlib
 import logging
 import math
 import queue
@@ -36,6 +37,7 @@ from horizon.engine.scheduler import Scheduler
 from horizon.engine.sequence import Sequence
 from horizon.model import Batch, HorizonCache
 from horizon.model.dsa import GatedDSA
+from horizon.model.vision import num_image_tokens
 
 log = logging.getLogger(__name__)
 
@@ -83,6 +85,7 @@ class Stats:
         self.tokens_computed = 0  # tokens the model processed (prefill + decode)
         self.tokens_generated = 0
         self.prompt_tokens_cached = 0
+        self.images_encoded = 0  # images run through the vision encoder (not those resumed from cache)
         self.thinking_tokens = {"low": 0, "high": 0, "max": 0}
         self.requests_finished = 0
         self.ttft: deque[float] = deque(maxlen=256)  # seconds from arrival to first token
@@ -141,6 +144,7 @@ class Engine:
         self.budgets = {**DEFAULT_THINKING_BUDGETS, **gen.get("thinking_budgets", {})}
         special = tokenizer.special
         self.stop_ids = {special.assistant_end, special.end_of_text}
+        self.image_id = special.image
         self.grammars = Grammars(tokenizer)
         self.stats = Stats()
         self.sequences: dict[str, Sequence] = {}
@@ -174,11 +178,37 @@ class Engine:
         budget = params.thinking_budget
         if budget is None and params.tier is not None:
             budget = int(self.budgets[params.tier])
+        layout = self._image_layout(request) if request.images or self.image_id in prompt else None
         matcher = self.grammars.matcher(request.constraint) if request.constraint is not None else None
-        seq = Sequence(request, self.tokenizer, budget, self.stop_ids, on_event, matcher)
+        seq = Sequence(request, self.tokenizer, budget, self.stop_ids, on_event, matcher, layout)
         self.sequences[seq.id] = seq
         self._inbox.put(("submit", seq))
         self._wake.set()
+
+    def _image_layout(self, request: Request) -> list[tuple[int, int, str]]:
+        """(first position, tokens, pixel digest) per image: the prompt's image placeholders, in order, are
+        the images' token runs (their counts set by each image's size, model/vision.py)."""
+        images = request.images or []
+        cfg = self.model.config
+        if images and self.model.vision is None:
+            raise ValueError("this model has no vision encoder: it takes text only")
+        positions = [i for i, t in enumerate(request.prompt_ids) if t == self.image_id]
+        layout, at = [], 0
+        for j, img in enumerate(images):
+            if not (isinstance(img, torch.Tensor) and img.dtype == torch.uint8 and img.dim() == 3
+                    and img.shape[-1] == 3 and img.shape[0] > 0 and img.shape[1] > 0):
+                raise ValueError(f"images[{j}] must be an RGB uint8 tensor [H, W, 3]")
+            n = num_image_tokens(cfg, img.shape[0], img.shape[1])
+            run = positions[at: at + n]
+            if len(run) < n or run[-1] - run[0] != n - 1:
+                raise ValueError(f"images[{j}] ({img.shape[1]}x{img.shape[0]} px) needs a run of {n} image "
+                                 f"placeholders in the prompt; the prompt has {len(positions) - at} left")
+            digest = hashlib.sha256(str(tuple(img.shape)).encode() + img.contiguous().numpy().tobytes()).hexdigest()
+            layout.append((run[0], n, digest[:32]))
+            at += n
+        if at != len(positions):
+            raise ValueError(f"the prompt has {len(positions)} image placeholders but the images fill {at}")
+        return layout
 
     def cancel(self, request_id: str) -> None:
         """Stop a request (client gone); its slot and blocks are freed before the next forward."""
@@ -217,8 +247,10 @@ class Engine:
                               device=self.device)
         batch = Batch.build([n for _, n in plan], start=[seq.num_cached for seq, _ in plan],
                             slots=[seq.slot for seq, _ in plan], device=self.device)
+        mask, embeds = self._image_inputs(plan)
         probe = self._coverage_probe(batch)
-        logits = self.model.forward_batch(tokens, batch, self.cache, last_only=True)
+        logits = self.model.forward_batch(tokens, batch, self.cache, last_only=True, image_embeds=embeds,
+                                          image_mask=mask)
         self._read_probe(probe)
         generated = 0
         for (seq, n), row in zip(plan, logits, strict=True):
@@ -264,11 +296,32 @@ class Engine:
         s.recent.append((time.perf_counter(), generated))
         return True
 
+    def _image_inputs(self, plan) -> tuple[torch.Tensor | None, torch.Tensor | None]:
+        """The image placeholder mask over this step's tokens and the embeddings that fill it (each image
+        encoded once per request, when the first chunk holding its placeholders runs)."""
+        if not any(seq.images.layout for seq, _ in plan):
+            return None, None
+        masks, parts = [], []
+
+        def encode(img: torch.Tensor) -> torch.Tensor:
+            self.stats.images_encoded += 1
+            return self.model.vision.encode(img)
+
+        for seq, n in plan:
+            mask, embeds = seq.images.chunk(seq.num_cached, n, encode)
+            masks.append(mask if mask is not None else torch.zeros(n, dtype=torch.bool))
+            if embeds is not None:
+                parts.append(embeds)
+        if not parts:
+            return None, None
+        return torch.cat(masks).to(self.device), torch.cat(parts)
+
     def _finish(self, seq: Sequence, reason: str, error: str | None = None) -> None:
         self.scheduler.finish(seq, keep_prefix=reason in ("stop", "length"))
         self.stats.prompt_tokens_cached += seq.cached_prompt_tokens
         self.stats.requests_finished += 1
         self.sequences.pop(seq.id, None)
+        seq.images.release()
         seq.finish(reason, error)
 
     # --- indexer statistics ------------------------------------------------------------------------
@@ -376,6 +429,7 @@ class Engine:
             "steps": s.steps, "forwards_multi_seq": s.forwards_multi_seq,
             "max_seqs_in_forward": s.max_seqs_in_forward, "tokens_computed": s.tokens_computed,
             "tokens_generated": s.tokens_generated, "prompt_tokens_cached": s.prompt_tokens_cached,
+            "images_encoded": s.images_encoded,
             "tokens_per_second": s.tokens_per_second(),
             "ttft_mean_s": sum(s.ttft) / len(s.ttft) if s.ttft else None,
             "thinking_tokens": dict(s.thinking_tokens),

@@ -66,6 +66,8 @@ class Request:
     request_id: str = field(default_factory=lambda: f"req-{next(_ids)}")
     tools: list[dict[str, Any]] | None = None  # offered tools: the parser reports calls to others
     constraint: ConstraintSpec | None = None  # what the answer must be (JSON schema, forced tool call, ...)
+    # RGB uint8 [H, W, 3] images, one per run of image placeholders in prompt_ids, in order
+    images: list[Any] | None = None
 
 
 @dataclass
@@ -74,6 +76,7 @@ class Usage:
     completion_tokens: int = 0
     reasoning_tokens: int = 0  # thinking tokens (part of completion_tokens)
     cached_tokens: int = 0  # prompt tokens resumed from cache instead of computed
+    image_tokens: int = 0  # prompt tokens that are image placeholders (part of prompt_tokens)
 
 
 @dataclass

@@ -106,7 +106,7 @@ class Scheduler:
             return False
         seq.slot = self.slots.allocate()
         self.cache.reset([seq.slot])
-        entry = self.prefix.lookup(seq.tokens) if seq.num_generated == 0 else None
+        entry = self.prefix.lookup(seq.key()) if seq.num_generated == 0 else None
         if entry is not None:
             n = len(entry.tokens)
             full, partial = divmod(n, self.block_size)
@@ -164,14 +164,14 @@ class Scheduler:
     def remember_prompt(self, seq: Sequence) -> None:
         """Snapshot a sequence whose prompt has just been computed (before its first generated token)."""
         n = seq.prompt_len
-        self.prefix.add(seq.tokens[:n], self.cache.snapshot_state(seq.slot),
+        self.prefix.add(seq.key(n), self.cache.snapshot_state(seq.slot),
                         seq.blocks[: math.ceil(n / self.block_size)], prompt_end=True)
 
     def finish(self, seq: Sequence, keep_prefix: bool) -> None:
         """Release a finished sequence; with keep_prefix its state goes to the prefix cache first."""
         if keep_prefix and seq.slot is not None and seq.num_cached:
             n = seq.num_cached
-            self.prefix.add(seq.tokens[:n], self.cache.snapshot_state(seq.slot),
+            self.prefix.add(seq.key(n), self.cache.snapshot_state(seq.slot),
                             seq.blocks[: math.ceil(n / self.block_size)])
         self._free(seq)
         if seq in self.waiting:

@@ -22,7 +22,7 @@ class Status(enum.Enum):
 
 class Sequence:
     def __init__(self, request: Request, tokenizer, thinking_budget: int | None, stop_ids: set[int],
-                 emit: Callable[[Event], None], matcher=None):
+                 emit: Callable[[Event], None], matcher=None, image_layout: list[tuple[int, int, str]] | None = None):
         self.request, self.params = request, request.params
         self.id = request.request_id
         self.tokens = list(request.prompt_ids)  # prompt, then generated tokens
@@ -47,6 +47,7 @@ class Sequence:
         self.first_token_time: float | None = None
         self.matcher = matcher  # llguidance matcher of the request's constraint (applies after thinking)
         self.json_scan = JsonScan()  # are we inside a JSON string (constrained output only)
+        self.images = ImageRuns(request.images or [], image_layout or [])
 
     # --- progress ------------------------------------------------------------------------------------
     @property
@@ -122,4 +123,48 @@ class Sequence:
     def usage(self) -> Usage:
         reasoning = self.thinking_tokens + (1 if self.params.tier is not None and not self.thinking else 0)
         return Usage(prompt_tokens=self.prompt_len, completion_tokens=self.num_generated,
-                     reasoning_tokens=min(reasoning, self.num_generated), cached_tokens=self.cached_prompt_tokens)
+                     reasoning_tokens=min(reasoning, self.num_generated), cached_tokens=self.cached_prompt_tokens,
+                     image_tokens=self.images.num_tokens)
+
+    def key(self, n: int | None = None) -> list:
+        """The first n tokens as the prefix cache compares them: an image placeholder stands for its
+        image's pixels (a digest and the position in the image), so two images never share a prefix."""
+        tokens = self.tokens if n is None else self.tokens[:n]
+        return self.images.key(tokens)
+
+
+class ImageRuns:
+    """A prompt's images: where their embeddings go, encoded once, on the first chunk that needs them.
+
+    layout[j] = (first prompt position, token count, pixel digest) of image j's placeholder run.
+    """
+
+    def __init__(self, images: list[torch.Tensor], layout: list[tuple[int, int, str]]):
+        self.images, self.layout = images, layout
+        self.num_tokens = sum(n for _, n, _ in layout)
+        self.embeds: dict[int, torch.Tensor] = {}  # image index -> [tokens, hidden]
+        self._keys = {start + i: ("image", digest, i) for start, n, digest in layout for i in range(n)}
+
+    def key(self, tokens: list[int]) -> list:
+        if not self._keys:
+            return list(tokens)
+        return [self._keys.get(i, t) for i, t in enumerate(tokens)]
+
+    def chunk(self, start: int, n: int, encode: Callable[[torch.Tensor], torch.Tensor]):
+        """(mask [n] bool or None, embeddings [mask.sum(), hidden] or None) for prompt positions start..start+n."""
+        end = start + n
+        parts, mask = [], None
+        for j, (first, count, _) in enumerate(self.layout):
+            lo, hi = max(first, start), min(first + count, end)
+            if lo >= hi:
+                continue
+            if j not in self.embeds:
+                self.embeds[j] = encode(self.images[j])
+            if mask is None:
+                mask = torch.zeros(n, dtype=torch.bool)
+            mask[lo - start: hi - start] = True
+            parts.append(self.embeds[j][lo - first: hi - first])
+        return (mask, torch.cat(parts)) if parts else (None, None)
+
+    def release(self) -> None:
+        self.embeds.clear()

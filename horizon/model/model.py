@@ -29,6 +29,7 @@ from horizon.model.dsa import GatedDSA
 from horizon.model.kda import KimiDeltaAttention
 from horizon.model.layers import MLP, RMSNorm
 from horizon.model.moe import MoE, Router
+from horizon.model.vision import VisionEncoder
 
 
 class Block(nn.Module):
@@ -55,6 +56,8 @@ class HorizonForCausalLM(nn.Module):
         self.lm_head = nn.Linear(config.hidden_size, config.vocab_size, bias=False)
         if config.tie_word_embeddings:
             self.lm_head.weight = self.embed.weight
+        # built after the LM so a text-only model's random initialisation does not depend on it
+        self.vision = VisionEncoder(config) if config.vision_layers else None
         if init and self.embed.weight.device.type != "meta":
             self.init_weights()
         self.to(config.torch_dtype)
@@ -118,15 +121,32 @@ class HorizonForCausalLM(nn.Module):
         return HorizonCache(self.config, num_slots, max_len, dtype=p.dtype, device=p.device)
 
     # --- forward -------------------------------------------------------------------------------
+    def encode_images(self, images: list[torch.Tensor]) -> list[torch.Tensor]:
+        """RGB uint8 images [H, W, 3] -> one [tokens_i, hidden] embedding run each (see model/vision.py)."""
+        if self.vision is None:
+            raise ValueError("this model has no vision encoder (vision_layers=0): it takes text only")
+        return [self.vision.encode(img) for img in images]
+
     def forward_batch(self, tokens: torch.Tensor, batch: Batch, cache: HorizonCache | None = None,
-                      last_only: bool = False) -> torch.Tensor:
-        """Varlen forward: tokens [N] laid out by `batch` -> fp32 logits [N, V] ([B, V] with last_only)."""
+                      last_only: bool = False, image_embeds: torch.Tensor | None = None,
+                      image_mask: torch.Tensor | None = None) -> torch.Tensor:
+        """Varlen forward: tokens [N] laid out by `batch` -> fp32 logits [N, V] ([B, V] with last_only).
+
+        image_mask [N] marks image placeholder positions; image_embeds [mask.sum(), hidden] replace their
+        token embeddings, in order.
+        """
         if cache is not None:
             cache.check_capacity(batch)
         if batch.max_ctx > self.config.max_position_embeddings:
             raise ValueError(f"context of {batch.max_ctx} tokens exceeds the model's window "
                              f"max_position_embeddings={self.config.max_position_embeddings}")
         h = self.embed(tokens)
+        if image_mask is not None:
+            n = int(image_mask.sum())
+            if image_embeds is None or image_embeds.shape != (n, h.shape[-1]):
+                got = None if image_embeds is None else tuple(image_embeds.shape)
+                raise ValueError(f"image_embeds must be [{n}, {h.shape[-1]}] for {n} image positions, got {got}")
+            h = h.masked_scatter(image_mask[:, None], image_embeds.to(h.dtype))
         for block in self.layers:
             h = block(h, batch, cache)
         if cache is not None:
@@ -136,8 +156,13 @@ class HorizonForCausalLM(nn.Module):
         return self.lm_head(self.norm(h)).float()
 
     def forward(self, input_ids: torch.Tensor, cache: HorizonCache | None = None,
-                lengths: torch.Tensor | list[int] | None = None) -> torch.Tensor:
-        """input_ids [B, T] right-padded -> fp32 logits [B, T, V]; continues cache slots 0..B-1 if given."""
+                lengths: torch.Tensor | list[int] | None = None, image_embeds: torch.Tensor | None = None,
+                image_mask: torch.Tensor | None = None) -> torch.Tensor:
+        """input_ids [B, T] right-padded -> fp32 logits [B, T, V]; continues cache slots 0..B-1 if given.
+
+        image_mask [B, T] marks image placeholders; image_embeds [mask.sum(), hidden] fill them in
+        row-major order (e.g. torch.cat(model.encode_images(images)) for the images in prompt order).
+        """
         if input_ids.dim() != 2:
             raise ValueError(f"input_ids must be [batch, seq], got shape {tuple(input_ids.shape)}")
         B, T = input_ids.shape
@@ -155,7 +180,11 @@ class HorizonForCausalLM(nn.Module):
         else:
             batch = Batch.build(lens.to(device))
         valid = torch.arange(T, device=device)[None, :] < batch.lens[:, None]
-        logits = self.forward_batch(input_ids[valid], batch, cache)
+        if image_mask is not None and image_mask.shape != input_ids.shape:
+            raise ValueError(f"image_mask must have input_ids' shape {tuple(input_ids.shape)}, "
+                             f"got {tuple(image_mask.shape)}")
+        mask = image_mask[valid] if image_mask is not None else None
+        logits = self.forward_batch(input_ids[valid], batch, cache, image_embeds=image_embeds, image_mask=mask)
         return batch.pad(logits)
 
     def num_parameters(self) -> int:

@@ -27,8 +27,10 @@ Decisions where Anthropic's format and Horizon's differ:
   * `tool_result` with `is_error: true`: its content is prefixed with `[tool error] `; the results
     of one user message become `tool` messages in order, then its other blocks one user message.
     Tool results must come first in a user message, as in the reference API.
-  * Images (base64 or URL sources) pass through as image parts: the prompt holds the image
-    placeholder, the pixels are not yet seen by the model (the vision issue). `file` sources: 400.
+  * Images: base64 sources (png, jpeg, gif, webp) are decoded (Pillow, with byte and pixel limits)
+    and encoded by the model's vision encoder; their placeholders take as many tokens as the image's
+    size gives. URL sources are refused (the server does not fetch from the network), as are
+    `file` sources; a bad image is a 400 naming its block.
   * A call is a `tool_use` block only when it names an offered tool and its arguments are a JSON
     object; anything else the model wrote as a call (invalid JSON, unknown tool, cut off) becomes a
     text block with the call's text, so it is reported, not lost, and a client never gets a
@@ -91,7 +93,7 @@ from horizon.server.anthropic_types import (
     ThinkingEnabled,
     ToolResultBlock,
 )
-from horizon.server.service import Conversation, ModelService, ServiceError
+from horizon.server.service import WHERE, Conversation, ModelService, ServiceError
 from horizon.server.signatures import ThinkingSigner
 
 log = logging.getLogger("horizon.server.anthropic")
@@ -263,8 +265,8 @@ def _text(b: TextBlock) -> dict:
 
 def _image(b: ImageBlock, where: str) -> dict:
     src = b.source
-    if src.type == "url":
-        return {"type": "image_url", "image_url": {"url": src.url}}
+    if src.type == "url":  # refused when decoded (no network at serve time), naming this block
+        return {"type": "image_url", "image_url": {"url": src.url}, WHERE: where}
     if src.type == "file":
         raise bad(f"{where}.source: file sources are not supported here; send the image as base64 or a URL")
     if src.media_type not in IMAGE_TYPES:
@@ -273,7 +275,7 @@ def _image(b: ImageBlock, where: str) -> dict:
         base64.b64decode(src.data, validate=True)
     except (binascii.Error, ValueError):
         raise bad(f"{where}.source.data: not valid base64") from None
-    return {"type": "image_url", "image_url": {"url": f"data:{src.media_type};base64,{src.data}"}}
+    return {"type": "image_url", "image_url": {"url": f"data:{src.media_type};base64,{src.data}"}, WHERE: where}
 
 
 def _tool_result(b: ToolResultBlock, where: str) -> dict:

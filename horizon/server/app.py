@@ -177,7 +177,8 @@ def create_app(service: ModelService, settings: ServerSettings | None = None) ->
             ids = service.tokenizer.encode(body.text)
         else:
             conv = Conversation(body.messages, body.tools, body.tier)
-            ids = service.render(conv, add_generation_prompt=body.add_generation_prompt)
+            ids, _ = service.render(conv, add_generation_prompt=body.add_generation_prompt,
+                                    pixels=service.decode_images(conv))
         return {"model": service.model_id, "tokens": ids, "count": len(ids),
                 "max_model_len": service.context_window}
 

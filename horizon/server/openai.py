@@ -360,7 +360,8 @@ def usage_object(choices: list[Choice]) -> dict[str, Any]:
     prompt = usages[0].prompt_tokens
     completion = sum(u.completion_tokens for u in usages)
     return {"prompt_tokens": prompt, "completion_tokens": completion, "total_tokens": prompt + completion,
-            "prompt_tokens_details": {"cached_tokens": min(u.cached_tokens for u in usages)},
+            "prompt_tokens_details": {"cached_tokens": min(u.cached_tokens for u in usages),
+                                      "image_tokens": usages[0].image_tokens},
             "completion_tokens_details": {"reasoning_tokens": sum(u.reasoning_tokens for u in usages)}}
 
 

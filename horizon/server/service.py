@@ -20,8 +20,12 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from horizon.chat import ChatTemplate, HistoryIssue, validate_history
+from horizon.chat.images import ImageError, ImageLimits, decode_image
 from horizon.engine import ConstraintSpec, Engine, Request, SamplingParams
 from horizon.engine.engine import EventStream
+from horizon.model.vision import num_image_tokens
+
+WHERE = "_where"  # an adapter may name an image part's place in its own API's request under this key
 
 
 class ServiceError(Exception):
@@ -55,16 +59,18 @@ class Prepared:
     prompt_ids: list[int]
     conversation: Conversation
     warnings: list[HistoryIssue] = field(default_factory=list)  # served anyway (policy "warn" and warnings)
+    images: list[Any] = field(default_factory=list)  # RGB uint8 [H, W, 3] per image, in prompt order
 
 
 class ModelService:
     def __init__(self, engine: Engine, tokenizer, model_id: str, history_policy: str = "reject",
-                 max_queue: int = 64):
+                 max_queue: int = 64, image_limits: ImageLimits | None = None):
         if history_policy not in ("reject", "strict", "warn"):
             raise ValueError(f"history_policy={history_policy!r}; allowed: reject, strict, warn")
         self.engine, self.tokenizer, self.model_id = engine, tokenizer, model_id
         self.template = ChatTemplate(tokenizer)
         self.history_policy, self.max_queue = history_policy, max_queue
+        self.image_limits = image_limits or ImageLimits()
 
     @property
     def context_window(self) -> int:
@@ -84,27 +90,55 @@ class ModelService:
                                param=f"messages[{first.index}]")
         return issues
 
-    def render(self, conv: Conversation, add_generation_prompt: bool = True) -> list[int]:
+    def decode_images(self, conv: Conversation) -> dict[int, Any]:
+        """Every image part's pixels (id of the part -> RGB uint8 [H, W, 3]); a bad image is a 400 naming it."""
+        pixels: dict[int, Any] = {}
+        for i, m in enumerate(conv.messages):
+            content = m.get("content") if isinstance(m, dict) else None
+            if not isinstance(content, list):
+                continue
+            for j, part in enumerate(content):
+                if not isinstance(part, dict) or part.get("type") not in ("image_url", "image"):
+                    continue
+                where = part.get(WHERE) or f"messages[{i}].content[{j}]"
+                if self.engine.model.vision is None:
+                    raise ServiceError("invalid_request", f"{where}: this model takes text only (it has no "
+                                                          f"vision encoder)", param=where)
+                try:
+                    pixels[id(part)] = decode_image(part, where, self.image_limits)
+                except ImageError as e:
+                    raise ServiceError("invalid_request", str(e), param=where) from None
+        return pixels
+
+    def render(self, conv: Conversation, add_generation_prompt: bool = True,
+               pixels: dict[int, Any] | None = None) -> tuple[list[int], list[Any]]:
+        """(prompt ids, the images in placeholder order); each image takes the tokens its size gives."""
+        template = self.template
+        if pixels:
+            cfg = self.engine.model.config
+            template = ChatTemplate(self.tokenizer, image_tokens=lambda part: num_image_tokens(
+                cfg, *pixels[id(part)].shape[:2]))
         try:
-            return self.template.render(conv.messages, tools=conv.tools, tier=conv.tier,
-                                        add_generation_prompt=add_generation_prompt).ids
+            out = template.render(conv.messages, tools=conv.tools, tier=conv.tier,
+                                  add_generation_prompt=add_generation_prompt)
         except ValueError as e:
             raise ServiceError("invalid_request", str(e), param="messages") from None
+        return out.ids, [pixels[id(part)] for part in out.images] if pixels else []
 
     def prepare(self, conv: Conversation, params: SamplingParams) -> Prepared:
         """Validate the history, render the prompt, check it fits the context window with max_tokens."""
         warnings = self.check_history(conv)
-        ids = self.render(conv)
+        ids, images = self.render(conv, pixels=self.decode_images(conv))
         total = len(ids) + params.max_tokens
         if total > self.context_window:
             raise ServiceError("invalid_request",
                                f"the prompt is {len(ids)} tokens and max_tokens is {params.max_tokens}: {total} "
                                f"exceeds the context window of {self.context_window} tokens",
                                param="max_tokens")
-        return Prepared(ids, conv, warnings)
+        return Prepared(ids, conv, warnings, images)
 
     def count_tokens(self, conv: Conversation) -> int:
-        return len(self.render(conv))
+        return len(self.render(conv, pixels=self.decode_images(conv))[0])
 
     def start(self, prepared: Prepared, params: SamplingParams, constraint: ConstraintSpec | None = None,
               request_id: str | None = None) -> EventStream:
@@ -118,7 +152,8 @@ class ModelService:
         if queued >= self.max_queue:
             raise ServiceError("overloaded", f"the server is busy: {queued} requests are waiting "
                                              f"(limit {self.max_queue}); retry shortly")
-        request = Request(prepared.prompt_ids, params, tools=prepared.conversation.tools, constraint=constraint)
+        request = Request(prepared.prompt_ids, params, tools=prepared.conversation.tools, constraint=constraint,
+                          images=prepared.images or None)
         if request_id:
             request.request_id = request_id
         try:
