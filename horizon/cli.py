@@ -289,6 +289,72 @@ def _cmd_agent(args: argparse.Namespace) -> int:
     return 1 if result.stop_reason == "error" else 0
 
 
+def _cmd_train(args: argparse.Namespace) -> int:
+    from pathlib import Path
+
+    import torch
+
+    from horizon.chat import load_tokenizer
+    from horizon.checkpoint import load, load_generation_config
+    from horizon.model import HorizonForCausalLM
+    from horizon.tasks import get_domain, make_split
+    from horizon.train import Mixture, TrainConfig, Trainer, read_jsonl, task_example
+    from horizon.train.trainer import config_from_dict
+
+    out = Path(args.out)
+    resume = out / "checkpoint" / "trainer_state" / "state.json"
+    sources_spec = {"domains": args.domains, "ratios": args.ratios, "per_domain": args.per_domain,
+                    "data": args.data, "tier": args.tier, "seed": args.seed}
+    if args.resume:
+        if not resume.exists():
+            raise ValueError(f"--resume: {resume} does not exist (nothing to resume in {out})")
+        meta = json.loads(resume.read_text())
+        if meta.get("sources") not in (None, sources_spec):
+            raise ValueError(f"--resume: the data options differ from the run being resumed: {meta['sources']}")
+        config = config_from_dict({**meta["config"], **({"steps": args.steps} if args.steps else {})})
+        model = load(out / "checkpoint", dtype=torch.float32)
+        tokenizer = load_tokenizer(out / "checkpoint")
+        generation_config = load_generation_config(out / "checkpoint")
+    else:
+        config = TrainConfig(steps=args.steps or 200, batch_size=args.batch_size, max_len=args.max_len, lr=args.lr,
+                             warmup_steps=args.warmup, bf16=args.bf16, seed=args.seed, save_every=args.save_every,
+                             log_every=args.log_every)
+        tokenizer = load_tokenizer(args.init) if args.init else load_tokenizer()
+        if args.init:
+            model, generation_config = load(args.init, dtype=torch.float32), load_generation_config(args.init)
+        else:
+            torch.manual_seed(args.seed)
+            model, generation_config = HorizonForCausalLM(ModelConfig.preset(args.preset).replace(
+                dtype="float32")), None
+    sources = {}
+    names = [d for d in (args.domains or "").split(",") if d]
+    for name in names:
+        domain = get_domain(name)
+        tasks = make_split(domain, "train", args.per_domain, start_seed=args.seed * 1_000_003)
+        sources[name] = [task_example(tokenizer, model.config, t, args.tier) for t in tasks]
+    if args.data:
+        sources["data"] = read_jsonl(args.data, tokenizer, model.config)
+    if not sources:
+        raise ValueError("nothing to train on: give --domains and/or --data")
+    ratios = None
+    if args.ratios:
+        values = [float(r) for r in args.ratios.split(",")]
+        if len(values) != len(sources):
+            raise ValueError(f"--ratios has {len(values)} values for {len(sources)} sources {list(sources)}")
+        ratios = dict(zip(sources, values, strict=True))
+    trainer = Trainer(model, tokenizer, Mixture(sources, ratios, seed=args.seed), config, out, generation_config)
+    trainer.sources_spec = sources_spec
+    if args.resume:
+        trainer.restore()
+    print(f"horizon train: {model.num_parameters():,} parameters; sources "
+          f"{ {k: len(v) for k, v in sources.items()} }; step {trainer.step_idx} -> {config.steps}", flush=True)
+    log = trainer.train(progress=not args.no_progress)
+    last = log[-1] if log else {}
+    print(f"done: step {trainer.step_idx}, loss {last.get('loss', float('nan')):.4f}; checkpoint "
+          f"{trainer.checkpoint_dir}, log {out / 'train_log.jsonl'}, plot {out / 'train_curves.png'}")
+    return 0
+
+
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="horizon", description=__doc__,
                                      formatter_class=argparse.RawDescriptionHelpFormatter)
@@ -386,6 +452,29 @@ def build_parser() -> argparse.ArgumentParser:
                    help="run a recorded session again, checking every request against the recorded one")
     p.add_argument("--rerun-tools", action="store_true", help="with --replay: execute the tools again")
     p.set_defaults(func=_cmd_agent)
+
+    p = sub.add_parser("train", help="supervised training on task domains and/or your own chats (resumable)")
+    p.add_argument("--out", required=True, help="run folder: checkpoint/, train_log.jsonl, train_curves.png")
+    init = p.add_mutually_exclusive_group()
+    init.add_argument("--init", default=None, help="start from this checkpoint folder")
+    init.add_argument("--preset", default="tiny", choices=list(PRESETS), help="or from random weights (default tiny)")
+    p.add_argument("--domains", default=None, help="comma-separated task domains (horizon.tasks), e.g. image")
+    p.add_argument("--data", default=None, help="a JSONL of chats: {\"messages\": [...], \"tools\"?, \"tier\"?}")
+    p.add_argument("--ratios", default=None, help="sampling ratios, one per source (domains, then data)")
+    p.add_argument("--per-domain", type=int, default=1000, help="training tasks generated per domain")
+    p.add_argument("--tier", choices=["low", "high", "max"], default="low", help="tier stated for thinking targets")
+    p.add_argument("--steps", type=int, default=None, help="optimiser steps (default 200; with --resume: the new end)")
+    p.add_argument("--batch-size", type=int, default=8)
+    p.add_argument("--max-len", type=int, default=1024)
+    p.add_argument("--lr", type=float, default=3e-3)
+    p.add_argument("--warmup", type=int, default=20)
+    p.add_argument("--bf16", action="store_true", help="bf16 autocast for the forward")
+    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--save-every", type=int, default=100)
+    p.add_argument("--log-every", type=int, default=10)
+    p.add_argument("--resume", action="store_true", help="continue the run in --out from its checkpoint")
+    p.add_argument("--no-progress", action="store_true")
+    p.set_defaults(func=_cmd_train)
     return parser
 
 

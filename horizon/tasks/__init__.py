@@ -9,9 +9,11 @@
     reward = get_domain(task.domain).reward(task, completion)   # in [0, 1]
 
 Files: ``base`` (Task, Domain, registry, splits, chat builders, answer parsing), one file per domain
-(``image``). Adding a domain: a module with a ``Domain`` subclass and one ``register`` line below.
+(``image``, ``arithmetic``, ``passkey``, ``terminal``, ``convert``). Adding a domain: a module with a
+``Domain`` subclass and one ``register`` line below.
 """
 
+from horizon.tasks.arithmetic import ArithmeticDomain
 from horizon.tasks.base import (
     DOMAINS,
     SPLITS,
@@ -23,19 +25,31 @@ from horizon.tasks.base import (
     make_split,
     register,
 )
+from horizon.tasks.convert import ConvertDomain
 from horizon.tasks.image import ImageDomain
+from horizon.tasks.passkey import PasskeyDomain
+from horizon.tasks.terminal import TerminalDomain, task_fs
 
 register(ImageDomain())
+register(ArithmeticDomain())
+register(PasskeyDomain())
+register(TerminalDomain())
+register(ConvertDomain())
 
 __all__ = [
     "DOMAINS",
     "SPLITS",
+    "ArithmeticDomain",
+    "ConvertDomain",
     "Domain",
     "ImageDomain",
+    "PasskeyDomain",
     "Task",
+    "TerminalDomain",
     "check_disjoint",
     "first_int",
     "get_domain",
     "make_split",
     "register",
+    "task_fs",
 ]

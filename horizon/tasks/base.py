@@ -75,6 +75,13 @@ class Domain(ABC):
     def task_id(self, seed: int, split: str) -> str:
         return f"{self.name}-{split}-{seed}"
 
+    def task(self, seed: int, split: str, content: Any, answer: str, target: list[dict[str, Any]],
+             meta: dict[str, Any]) -> Task:
+        """A task whose prompt is one user message with `content` (text or content parts)."""
+        return Task(domain=self.name, id=self.task_id(seed, split), split=split, seed=seed,
+                    messages=[{"role": "user", "content": content}], answer=answer, target=target,
+                    tools=list(self.tools), meta=meta)
+
     @abstractmethod
     def generate(self, seed: int, split: str) -> Task: ...
 

@@ -228,24 +228,9 @@ class ImageDomain(Domain):
     def _task(
         self, seed: int, split: str, img: Image.Image, question: str, answer: int, reasoning: str, meta: dict
     ) -> Task:
-        user = {
-            "role": "user",
-            "content": [
-                {"type": "image_url", "image_url": {"url": _png_data_url(img)}},
-                {"type": "text", "text": question},
-            ],
-        }
-        return Task(
-            domain=self.name,
-            id=self.task_id(seed, split),
-            split=split,
-            seed=seed,
-            messages=[user],
-            answer=str(answer),
-            target=[assistant_message(str(answer), reasoning)],
-            tools=list(self.tools),
-            meta={"width": img.width, "height": img.height, **meta},
-        )
+        content = [{"type": "image_url", "image_url": {"url": _png_data_url(img)}}, {"type": "text", "text": question}]
+        return self.task(seed, split, content, str(answer), [assistant_message(str(answer), reasoning)],
+                         {"width": img.width, "height": img.height, **meta})
 
     def _number(self, rng: random.Random, seed: int, split: str) -> Task:
         digits = rng.randint(1, 4)

@@ -1,0 +1,238 @@
+"""Supervised training: next-token loss on what the model generates, with everything a run needs to
+be stopped and resumed exactly.
+
+One step: sample a batch from the `Mixture`, forward (optionally under bf16 autocast; images through
+the vision encoder, which trains too), cross-entropy on the assistant tokens only, backward, clip the
+gradient norm, AdamW at the step's learning rate (linear warm-up, then cosine down to
+`min_lr_ratio` of the peak), then the MoE's auxiliary-loss-free bias update from the step's expert
+loads (DESIGN 1.3).
+
+A checkpoint folder (`<out>/checkpoint`) is a normal Horizon checkpoint (config, weights,
+tokenizer) plus `trainer_state/state.safetensors` (AdamW moments by parameter name, the torch RNG
+state, the mixture sampler's generator state) and `trainer_state/state.json` (step, config, what the
+data was built from, the log so far). No
+pickles. Resuming restores all of it, so a stopped-and-resumed run reproduces the uninterrupted
+run's losses exactly. The log is also written as `train_log.jsonl` and plotted to `train_curves.png`.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import time
+from dataclasses import asdict, dataclass, fields
+from pathlib import Path
+from typing import Any
+
+import torch
+import torch.nn.functional as F
+from safetensors.torch import load_file, save_file
+
+from horizon.model.moe import balance_moe_bias
+from horizon.train.data import Mixture, collate
+
+STAGES = ("sft",)
+TRAINER_STATE = "trainer_state"  # a subfolder: the checkpoint folder itself stays a plain model checkpoint
+
+
+@dataclass
+class TrainConfig:
+    steps: int = 200
+    batch_size: int = 8
+    max_len: int = 1024  # tokens per example (longer ones are cut)
+    lr: float = 3e-3
+    min_lr_ratio: float = 0.1  # the cosine ends at lr * min_lr_ratio
+    warmup_steps: int = 20
+    weight_decay: float = 0.1
+    beta1: float = 0.9
+    beta2: float = 0.95
+    grad_clip: float = 1.0
+    moe_bias_gamma: float = 1e-3  # the balancing bias step (0: off)
+    bf16: bool = False  # autocast the forward to bf16 (weights and optimiser stay fp32)
+    seed: int = 0
+    log_every: int = 10
+    save_every: int = 100  # also at the end
+    stage: str = "sft"
+
+    def validate(self) -> None:
+        for name in ("steps", "batch_size", "max_len", "log_every", "save_every"):
+            if not isinstance(getattr(self, name), int) or getattr(self, name) < 1:
+                raise ValueError(f"TrainConfig.{name}={getattr(self, name)!r}: must be an integer >= 1")
+        if not self.lr > 0 or not 0 <= self.min_lr_ratio <= 1:
+            raise ValueError(f"TrainConfig: lr must be > 0 and min_lr_ratio in [0, 1], got {self.lr}, "
+                             f"{self.min_lr_ratio}")
+        if self.warmup_steps < 0 or self.grad_clip <= 0 or self.weight_decay < 0 or self.moe_bias_gamma < 0:
+            raise ValueError("TrainConfig: warmup_steps, weight_decay, moe_bias_gamma must be >= 0 and grad_clip > 0")
+        if self.stage not in STAGES:
+            raise ValueError(f"TrainConfig.stage={self.stage!r}: allowed {', '.join(STAGES)}")
+
+    def lr_at(self, step: int) -> float:
+        """Learning rate of step `step` (0-based): linear warm-up, then cosine to lr * min_lr_ratio."""
+        if step < self.warmup_steps:
+            return self.lr * (step + 1) / self.warmup_steps
+        span = max(1, self.steps - self.warmup_steps)
+        progress = min(1.0, (step - self.warmup_steps) / span)
+        return self.lr * (self.min_lr_ratio + (1 - self.min_lr_ratio) * 0.5 * (1 + math.cos(math.pi * progress)))
+
+
+def _no_decay(name: str, p: torch.Tensor) -> bool:
+    """Norms, biases, embeddings' position tables and 1-D scalars are not decayed."""
+    return p.dim() < 2 or "norm" in name or name.endswith(".bias")
+
+
+class Trainer:
+    def __init__(self, model, tokenizer, mixture: Mixture, config: TrainConfig, out_dir: str | Path,
+                 generation_config: dict[str, Any] | None = None):
+        config.validate()
+        self.model, self.tokenizer, self.mixture, self.config = model, tokenizer, mixture, config
+        self.out = Path(out_dir)
+        self.generation_config = generation_config
+        self.names = [n for n, p in model.named_parameters() if p.requires_grad]
+        params = dict(model.named_parameters())
+        decay = [params[n] for n in self.names if not _no_decay(n, params[n])]
+        plain = [params[n] for n in self.names if _no_decay(n, params[n])]
+        self.optimizer = torch.optim.AdamW(
+            [{"params": decay, "weight_decay": config.weight_decay}, {"params": plain, "weight_decay": 0.0}],
+            lr=config.lr, betas=(config.beta1, config.beta2), foreach=False)
+        self.step_idx = 0
+        self.log: list[dict[str, Any]] = []
+        self.sources_spec: dict[str, Any] | None = None  # what the data was built from (checked on resume)
+        torch.manual_seed(config.seed)
+
+    # --- one step ----------------------------------------------------------------------------------
+    def loss(self, batch: dict[str, Any]) -> tuple[torch.Tensor, int]:
+        model = self.model
+        embeds = torch.cat(model.encode_images(batch["images"])) if batch["images"] else None
+        with torch.autocast("cpu", dtype=torch.bfloat16, enabled=self.config.bf16):
+            logits = model(batch["ids"], lengths=batch["lengths"], image_embeds=embeds, image_mask=batch["image_mask"])
+        targets = batch["targets"]
+        n = int((targets != -100).sum())
+        loss = F.cross_entropy(logits.float().flatten(0, 1), targets.flatten(), ignore_index=-100, reduction="sum")
+        return loss / max(n, 1), n
+
+    def step(self) -> dict[str, Any]:
+        cfg, model = self.config, self.model
+        model.train()
+        t0 = time.perf_counter()
+        batch = collate(self.mixture.sample(cfg.batch_size), cfg.max_len, model.config,
+                        self.tokenizer.special.image)
+        lr = cfg.lr_at(self.step_idx)
+        for group in self.optimizer.param_groups:
+            group["lr"] = lr
+        self.optimizer.zero_grad(set_to_none=True)
+        loss, n_targets = self.loss(batch)
+        loss.backward()
+        grad_norm = torch.nn.utils.clip_grad_norm_([p for p in model.parameters() if p.grad is not None],
+                                                   cfg.grad_clip)
+        self.optimizer.step()
+        if cfg.moe_bias_gamma:
+            balance_moe_bias(model, cfg.moe_bias_gamma)
+        self.step_idx += 1
+        dt = time.perf_counter() - t0
+        tokens = int(batch["lengths"].sum())
+        entry = {"step": self.step_idx, "loss": loss.item(), "lr": lr, "grad_norm": float(grad_norm),
+                 "tokens": tokens, "target_tokens": n_targets, "tokens_per_s": tokens / dt, "seconds": dt}
+        self.log.append(entry)
+        return entry
+
+    def train(self, progress: bool = True) -> list[dict[str, Any]]:
+        """Steps until config.steps; checkpoints every save_every steps and at the end."""
+        cfg = self.config
+        bar = None
+        if progress:
+            from rich.progress import BarColumn, Progress, TextColumn, TimeRemainingColumn
+
+            bar = Progress(TextColumn("[bold]train"), BarColumn(), TextColumn("{task.completed}/{task.total}"),
+                           TextColumn("loss {task.fields[loss]}"), TimeRemainingColumn())
+            task = bar.add_task("train", total=cfg.steps, completed=self.step_idx, loss="-")
+            bar.start()
+        try:
+            while self.step_idx < cfg.steps:
+                entry = self.step()
+                if bar is not None:
+                    bar.update(task, completed=self.step_idx, loss=f"{entry['loss']:.3f}")
+                if self.step_idx % cfg.save_every == 0 or self.step_idx == cfg.steps:
+                    self.save()
+        finally:
+            if bar is not None:
+                bar.stop()
+        self.write_log()
+        return self.log
+
+    # --- state -------------------------------------------------------------------------------------
+    @property
+    def checkpoint_dir(self) -> Path:
+        return self.out / "checkpoint"
+
+    def save(self) -> Path:
+        """Weights (a loadable Horizon checkpoint) + optimiser, RNG and sampler state, atomically replaced."""
+        from horizon.checkpoint import save
+
+        final, tmp = self.checkpoint_dir, self.out / "checkpoint.tmp"
+        if tmp.exists():
+            _rmtree(tmp)
+        self.model.eval()
+        save(self.model, tmp, tokenizer=self.tokenizer, generation_config=self.generation_config)
+        params = dict(self.model.named_parameters())
+        tensors = {"rng.torch": torch.get_rng_state(), "rng.mixture": self.mixture.generator.get_state()}
+        for name in self.names:
+            state = self.optimizer.state.get(params[name], {})
+            for key, value in state.items():
+                tensors[f"optim.{name}.{key}"] = value.detach().clone().reshape(-1) if value.dim() == 0 else value
+        (tmp / TRAINER_STATE).mkdir()
+        save_file({k: v.contiguous() for k, v in tensors.items()}, tmp / TRAINER_STATE / "state.safetensors")
+        meta = {"step": self.step_idx, "config": asdict(self.config), "sources": self.sources_spec, "log": self.log}
+        (tmp / TRAINER_STATE / "state.json").write_text(json.dumps(meta, indent=1))
+        if final.exists():
+            _rmtree(final)
+        tmp.rename(final)
+        return final
+
+    def restore(self, folder: str | Path | None = None) -> None:
+        """Continue from a checkpoint written by save() (weights must already be loaded into the model)."""
+        folder = Path(folder) if folder is not None else self.checkpoint_dir
+        meta = json.loads((folder / TRAINER_STATE / "state.json").read_text())
+        tensors = load_file(folder / TRAINER_STATE / "state.safetensors")
+        params = dict(self.model.named_parameters())
+        for name in self.names:
+            keys = {k.rsplit(".", 1)[-1]: v for k, v in tensors.items() if k.rsplit(".", 1)[0] == f"optim.{name}"}
+            if keys:
+                state = {k: (v.reshape(()) if k == "step" else v) for k, v in keys.items()}
+                self.optimizer.state[params[name]] = state
+        torch.set_rng_state(tensors["rng.torch"])
+        self.mixture.generator.set_state(tensors["rng.mixture"])
+        self.step_idx, self.log = int(meta["step"]), list(meta["log"])
+
+    def write_log(self) -> None:
+        """train_log.jsonl and train_curves.png (loss and throughput per step)."""
+        self.out.mkdir(parents=True, exist_ok=True)
+        with open(self.out / "train_log.jsonl", "w") as f:
+            for entry in self.log:
+                f.write(json.dumps(entry) + "\n")
+        if not self.log:
+            return
+        import matplotlib
+
+        matplotlib.use("Agg")  # files only, no display
+        import matplotlib.pyplot as plt
+
+        steps = [e["step"] for e in self.log]
+        fig, (a, b) = plt.subplots(1, 2, figsize=(10, 3.5))
+        a.plot(steps, [e["loss"] for e in self.log])
+        a.set(xlabel="step", ylabel="loss (assistant tokens)", title="training loss")
+        b.plot(steps, [e["tokens_per_s"] for e in self.log])
+        b.set(xlabel="step", ylabel="tokens / s", title="throughput")
+        fig.tight_layout()
+        fig.savefig(self.out / "train_curves.png", dpi=100)
+        plt.close(fig)
+
+
+def config_from_dict(d: dict[str, Any]) -> TrainConfig:
+    known = {f.name for f in fields(TrainConfig)}
+    return TrainConfig(**{k: v for k, v in d.items() if k in known})
+
+
+def _rmtree(path: Path) -> None:
+    import shutil
+
+    shutil.rmtree(path)

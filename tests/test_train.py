@@ -1,0 +1,115 @@
+"""Training: the loss mask, the schedule, a user's JSONL fine-tune, and stop-and-resume equality."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+import torch
+
+from horizon.chat import load_tokenizer
+from horizon.checkpoint import load
+from horizon.cli import main
+from horizon.tasks import make_split
+from horizon.train import Mixture, TrainConfig, Trainer, collate, read_jsonl, render_chat, task_example
+
+from .conftest import tiny_model
+
+TOK = load_tokenizer()
+
+
+def chats(n: int = 6) -> list[dict]:
+    return [{"messages": [{"role": "user", "content": f"What is {i} plus {i}?"},
+                          {"role": "assistant", "content": f"It is {2 * i}."}]} for i in range(n)]
+
+
+def write_jsonl(path, rows) -> str:
+    path.write_text("\n".join(json.dumps(r) for r in rows) + "\n")
+    return str(path)
+
+
+def test_the_loss_is_on_assistant_tokens_only():
+    model = tiny_model()
+    ex = render_chat(TOK, model.config, chats(1)[0]["messages"])
+    answer = TOK.encode("It is 0.")
+    generated = [t for t, m in zip(ex.ids, ex.mask, strict=True) if m]
+    assert generated[: len(answer)] == answer and generated[-1] == TOK.special.assistant_end
+    batch = collate([ex], 512, model.config, TOK.special.image)
+    targets = batch["targets"][0]
+    assert targets[targets != -100].tolist() == generated  # each generated token is predicted once
+
+
+def test_schedule_warms_up_then_decays_to_the_floor():
+    cfg = TrainConfig(steps=100, warmup_steps=10, lr=1.0, min_lr_ratio=0.1)
+    assert cfg.lr_at(0) == pytest.approx(0.1) and cfg.lr_at(9) == pytest.approx(1.0)
+    lrs = [cfg.lr_at(s) for s in range(10, 100)]
+    assert all(a >= b for a, b in zip(lrs, lrs[1:], strict=False)) and lrs[-1] >= 0.1
+    with pytest.raises(ValueError, match="stage"):
+        TrainConfig(stage="nope").validate()
+
+
+def test_a_user_jsonl_fine_tune_learns_it(tmp_path):
+    model = tiny_model()
+    data = read_jsonl(write_jsonl(tmp_path / "chats.jsonl", chats()), TOK, model.config)
+    config = TrainConfig(steps=40, batch_size=4, lr=1e-2, warmup_steps=4, save_every=40, max_len=128)
+    log = Trainer(model, TOK, Mixture({"data": data}), config, tmp_path / "run").train(progress=False)
+    first, last = log[0]["loss"], sum(e["loss"] for e in log[-5:]) / 5
+    assert last < 0.5 * first, (first, last)
+    assert (tmp_path / "run" / "train_log.jsonl").exists() and (tmp_path / "run" / "train_curves.png").exists()
+    reloaded = load(tmp_path / "run" / "checkpoint")
+    ids = torch.tensor([data[0].ids])
+    assert torch.equal(reloaded(ids), model.eval()(ids))
+
+
+def test_bad_jsonl_lines_name_the_line(tmp_path):
+    cfg = tiny_model().config
+    path = tmp_path / "bad.jsonl"
+    path.write_text(json.dumps(chats(1)[0]) + "\n{not json\n")
+    with pytest.raises(ValueError, match="bad.jsonl:2"):
+        read_jsonl(path, TOK, cfg)
+    path.write_text(json.dumps({"messages": [{"role": "user", "content": "hi"}]}) + "\n")
+    with pytest.raises(ValueError, match="no assistant turn"):
+        read_jsonl(path, TOK, cfg)
+
+
+def run(tmp_path, name, steps, resume_from=None, image_tasks=None):
+    model = tiny_model(seed=1)
+    sources = {"data": read_jsonl(write_jsonl(tmp_path / "chats.jsonl", chats()), TOK, model.config)}
+    if image_tasks:
+        sources["image"] = image_tasks
+    config = TrainConfig(steps=8, batch_size=3, lr=5e-3, warmup_steps=2, save_every=4, max_len=200, seed=3)
+    if resume_from is not None:
+        model = load(resume_from / "checkpoint", dtype=torch.float32)
+    trainer = Trainer(model, TOK, Mixture(sources, seed=3), config, tmp_path / name)
+    if resume_from is not None:
+        trainer.restore(resume_from / "checkpoint")
+    while trainer.step_idx < steps:
+        trainer.step()
+        if trainer.step_idx % config.save_every == 0:
+            trainer.save()
+    return trainer
+
+
+def test_stop_and_resume_reproduces_the_uninterrupted_run(tmp_path):
+    model = tiny_model()
+    images = [task_example(TOK, model.config, t) for t in make_split("image", "train", 4)]
+    straight = run(tmp_path, "straight", 8, image_tasks=images)
+    stopped = run(tmp_path, "stopped", 4, image_tasks=images)  # saved at step 4
+    resumed = run(tmp_path, "resumed", 8, resume_from=tmp_path / "stopped", image_tasks=images)
+    assert [e["loss"] for e in resumed.log] == [e["loss"] for e in straight.log]
+    assert [e["loss"] for e in stopped.log] == [e["loss"] for e in straight.log[:4]]
+    for (n, a), (_, b) in zip(straight.model.state_dict().items(), resumed.model.state_dict().items(), strict=True):
+        assert torch.equal(a, b), n
+
+
+def test_train_command_runs_and_resumes(tmp_path, capsys):
+    data = write_jsonl(tmp_path / "chats.jsonl", chats())
+    out = tmp_path / "run"
+    args = ["train", "--out", str(out), "--data", data, "--batch-size", "2", "--max-len", "64", "--save-every", "2",
+            "--no-progress"]
+    assert main([*args, "--steps", "2"]) == 0
+    assert main([*args, "--steps", "4", "--resume"]) == 0
+    state = json.loads((out / "checkpoint" / "trainer_state" / "state.json").read_text())
+    assert state["step"] == 4 and len(state["log"]) == 4
+    assert main(["train", "--out", str(tmp_path / "x"), "--no-progress"]) == 2
+    assert "nothing to train on" in capsys.readouterr().err
