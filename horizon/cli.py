@@ -318,7 +318,7 @@ def _cmd_train(args: argparse.Namespace) -> int:
     else:
         config = TrainConfig(steps=args.steps or 200, batch_size=args.batch_size, max_len=args.max_len, lr=args.lr,
                              warmup_steps=args.warmup, bf16=args.bf16, seed=args.seed, save_every=args.save_every,
-                             log_every=args.log_every)
+                             log_every=args.log_every, stage=args.stage)
         tokenizer = load_tokenizer(args.init) if args.init else load_tokenizer()
         if args.init:
             model, generation_config = load(args.init, dtype=torch.float32), load_generation_config(args.init)
@@ -472,6 +472,8 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--save-every", type=int, default=100)
     p.add_argument("--log-every", type=int, default=10)
+    p.add_argument("--stage", choices=["sft", "indexer-warmup", "sparse"], default="sft",
+                   help="sft; indexer-warmup (dense attention, only the DSA indexers learn); sparse (top-k on)")
     p.add_argument("--resume", action="store_true", help="continue the run in --out from its checkpoint")
     p.add_argument("--no-progress", action="store_true")
     p.set_defaults(func=_cmd_train)

@@ -113,3 +113,31 @@ def test_train_command_runs_and_resumes(tmp_path, capsys):
     assert state["step"] == 4 and len(state["log"]) == 4
     assert main(["train", "--out", str(tmp_path / "x"), "--no-progress"]) == 2
     assert "nothing to train on" in capsys.readouterr().err
+
+
+def test_indexer_warmup_trains_only_the_indexer_toward_the_dense_attention(tmp_path):
+    from horizon.model.dsa import GatedDSA
+
+    model = tiny_model()
+    with torch.no_grad():  # sharpen attention (a random model attends almost uniformly: nothing to learn)
+        for m in model.modules():
+            if isinstance(m, GatedDSA):
+                m.wq_b.weight.mul_(8)
+                m.wkv_b.weight.mul_(8)
+    before = {n: p.detach().clone() for n, p in model.named_parameters()}
+    examples = [task_example(TOK, model.config, t) for t in make_split("passkey", "train", 12)]
+    config = TrainConfig(steps=16, batch_size=3, max_len=160, lr=1e-2, warmup_steps=2, stage="indexer-warmup")
+    log = Trainer(model, TOK, Mixture({"passkey": examples}), config, tmp_path).train(progress=False)
+    assert all(torch.equal(p, before[n]) != (".indexer." in n) for n, p in model.named_parameters()
+               if p.numel() > 1), "warm-up must change the indexers and nothing else"
+    first, last = log[:3], log[-3:]
+    mean = lambda rows, key: sum(r[key] for r in rows) / len(rows)
+    assert mean(last, "indexer_kl") < 0.8 * mean(first, "indexer_kl")
+    assert mean(last, "indexer_recall") > mean(first, "indexer_recall") + 0.01
+    assert mean(last, "indexer_recall") > mean(last, "recent_recall")
+
+    sparse = Trainer(model, TOK, Mixture({"passkey": examples}),
+                     TrainConfig(steps=2, batch_size=2, max_len=160, stage="sparse"), tmp_path / "s")
+    entry = sparse.step()
+    assert entry["loss"] == pytest.approx(entry["lm_loss"] + entry["indexer_kl"], rel=1e-5)
+    assert all(p.requires_grad for p in model.parameters())

@@ -174,6 +174,12 @@ class GatedDSA(nn.Module):
         # the engine's sampled statistic: the share of dense attention mass the selection keeps
         self.measure_coverage = False
         self.last_coverage: float | None = None
+        # training the indexer (DESIGN 1.2), forwards without cache only: None | "dense" (warm-up: KL over
+        # every visible position) | "sparse" (KL over the selected set); the loss lands in indexer_loss
+        self.indexer_training: str | None = None
+        self.force_dense = False  # attend densely whatever the indexer's topk (the warm-up stage)
+        self.indexer_loss: torch.Tensor | None = None
+        self.indexer_stats: dict[str, float] = {}
 
     # --- projections -------------------------------------------------------------------------
     def project(self, x: torch.Tensor, positions: torch.Tensor):
@@ -296,17 +302,60 @@ class GatedDSA(nn.Module):
             self.last_selection = torch.cat(picks, dim=1)
         return torch.cat(outs, dim=1)
 
-    def _coverage(self, q_nope, q_pe, rows, idx, q_pos, ctx_len) -> float:
-        """Mean over queries and heads of the dense attention probability mass on the selected positions."""
+    def _dense_probs(self, q_nope, q_pe, rows, q_pos, ctx_len) -> tuple[torch.Tensor, torch.Tensor]:
+        """(dense attention probabilities [B, t, H, L] in fp32, visible [B, t, L]): what full attention does."""
         w_uk, _ = self._w_kvb()
         q_lat = torch.einsum("bthd,hdr->bthr", q_nope.float(), w_uk.float())
         q = torch.cat((q_lat, q_pe.float()), -1)
         scores = torch.einsum("bthr,bsr->bths", q, rows.float()) * self.scale
         s_pos = torch.arange(rows.shape[1], device=rows.device)
         visible = (s_pos <= q_pos[..., None]) & (s_pos < ctx_len[:, None, None])
-        probs = masked_softmax(scores, visible[:, :, None, :])  # [B, t, H, L]
+        return masked_softmax(scores, visible[:, :, None, :]), visible
+
+    def _coverage(self, q_nope, q_pe, rows, idx, q_pos, ctx_len) -> float:
+        """Mean over queries and heads of the dense attention probability mass on the selected positions."""
+        probs, visible = self._dense_probs(q_nope, q_pe, rows, q_pos, ctx_len)
         chosen = torch.zeros_like(visible).scatter_(-1, idx.clamp(max=rows.shape[1] - 1), True) & visible
         return float((probs * chosen[:, :, None, :]).sum(-1).mean())
+
+    def indexer_objective(self, x, c_q, q_nope, q_pe, rows, batch: Batch, q_pos, ctx_len,
+                          selected: torch.Tensor | None) -> tuple[torch.Tensor, dict[str, float]]:
+        """The indexer's training loss (DESIGN 1.2) and its recall statistics, for a forward without cache.
+
+        Target: the dense attention distribution summed over heads (renormalised), detached. The
+        indexer sees detached inputs, so this loss trains the indexer alone. selected=None (warm-up):
+        KL over every visible position; else (sparse stage) over the selected positions only, both
+        distributions renormalised on them. Recall: the target's mass on the indexer's top-k, and on
+        the index_topk most recent positions (the baseline), averaged over queries that see more
+        than index_topk positions.
+        """
+        with torch.no_grad():
+            probs, visible = self._dense_probs(q_nope.detach(), q_pe.detach(), rows.detach(), q_pos, ctx_len)
+            target = probs.sum(2)
+            target = target / target.sum(-1, keepdim=True).clamp_min(1e-30)  # [B, t, L]
+        qi, wi = self.indexer.queries(x.detach(), c_q.detach(), batch.positions)
+        keys = batch.pad(self.indexer.keys(x.detach(), batch.positions))  # [B, L, d_I]
+        scores = self.indexer.scores(batch.pad(qi), batch.pad(wi), keys)  # [B, t, L]
+        real = torch.arange(q_pos.shape[1], device=x.device)[None, :] < batch.lens[:, None]  # [B, t]
+        on = visible if selected is None else visible & torch.zeros_like(visible).scatter_(
+            -1, selected.clamp(max=visible.shape[-1] - 1), True)
+        t = torch.where(on, target, 0.0)
+        t = t / t.sum(-1, keepdim=True).clamp_min(1e-30)
+        log_q = torch.log_softmax(scores.float().masked_fill(~on, -math.inf), -1)
+        kl = torch.where(on & (t > 0), t * (t.clamp_min(1e-30).log() - log_q), 0.0).sum(-1)  # [B, t]
+        loss = (kl * real).sum() / real.sum().clamp_min(1)
+        stats = {}
+        with torch.no_grad():
+            k = self.indexer.topk
+            crowded = real & (visible.sum(-1) > k)
+            if bool(crowded.any()):
+                top = topk_recent_first(scores.detach().float().masked_fill(~visible, -math.inf), k)
+                mass = torch.gather(target, -1, top.clamp(max=visible.shape[-1] - 1)).sum(-1)
+                recent = (q_pos[..., None] - torch.arange(k, device=x.device)).clamp_min(0)
+                base = torch.gather(target, -1, recent).sum(-1)
+                stats = {"recall": float(mass[crowded].mean()), "recent_recall": float(base[crowded].mean()),
+                         "queries": int(crowded.sum())}
+        return loss, stats
 
     # --- forward -------------------------------------------------------------------------------
     def forward(self, x: torch.Tensor, batch: Batch, cache=None) -> torch.Tensor:
@@ -325,7 +374,7 @@ class GatedDSA(nn.Module):
         ctx_len = batch.start + batch.lens  # [B]
         decode = cache is not None and batch.max_len == 1
         form = self.attn_form
-        if self.indexer is None or self.indexer.topk >= L:
+        if self.indexer is None or self.indexer.topk >= L or self.force_dense:
             # every visible position is selected: exactly dense causal attention
             s_pos = torch.arange(L, device=x.device)
             visible = (s_pos <= q_pos[..., None]) & (s_pos < ctx_len[:, None, None])  # [B, T, L]
@@ -337,7 +386,13 @@ class GatedDSA(nn.Module):
                 plain_causal = batch.uniform and batch.max_ctx == batch.max_len
                 o = self._expanded_dense(q_nope, q_pe, rows, visible, plain_causal=plain_causal)
         else:
+            if self.indexer_training == "sparse":
+                self.record_selection = True
             o = self._sparse(x, c_q, q_nope, q_pe, ctx, batch, q_pos, ctx_len, form)
+        if self.indexer_training is not None and self.indexer is not None and cache is None:
+            selected = self.last_selection if self.indexer_training == "sparse" and self.indexer.topk < L else None
+            self.indexer_loss, self.indexer_stats = self.indexer_objective(
+                x, c_q, q_nope, q_pe, ctx.rows(batch), batch, q_pos, ctx_len, selected)
         o = batch.unpad(o).to(x.dtype)  # [N, H, v]
         if self.gate_rank:
             o = o * torch.sigmoid(self.gate_b(self.gate_a(x))).view_as(o)

@@ -31,7 +31,7 @@ from safetensors.torch import load_file, save_file
 from horizon.model.moe import balance_moe_bias
 from horizon.train.data import Mixture, collate
 
-STAGES = ("sft",)
+STAGES = ("sft", "indexer-warmup", "sparse")
 TRAINER_STATE = "trainer_state"  # a subfolder: the checkpoint folder itself stays a plain model checkpoint
 
 
@@ -75,6 +75,28 @@ class TrainConfig:
         return self.lr * (self.min_lr_ratio + (1 - self.min_lr_ratio) * 0.5 * (1 + math.cos(math.pi * progress)))
 
 
+def set_stage(model, stage: str) -> list:
+    """Put the model in a training stage (DESIGN 1.2); returns its Gated DSA layers.
+
+    sft: everything trains, attention as configured (sparse past index_topk).
+    indexer-warmup: dense attention; every parameter but the indexers' frozen; the indexers learn the
+    head-summed dense attention distribution (KL).
+    sparse: top-k selection on; the model trains on the LM loss, the indexers on the KL over what they
+    selected.
+    """
+    from horizon.model.dsa import GatedDSA
+
+    dsa = [m for m in model.modules() if isinstance(m, GatedDSA) and m.indexer is not None]
+    if stage != "sft" and not dsa:
+        raise ValueError(f"stage {stage!r} trains the DSA indexers, but this model has none")
+    for name, p in model.named_parameters():
+        p.requires_grad_(stage != "indexer-warmup" or ".indexer." in name)
+    for m in dsa:
+        m.indexer_training = {"sft": None, "indexer-warmup": "dense", "sparse": "sparse"}[stage]
+        m.force_dense = stage == "indexer-warmup"
+    return dsa
+
+
 def _no_decay(name: str, p: torch.Tensor) -> bool:
     """Norms, biases, embeddings' position tables and 1-D scalars are not decayed."""
     return p.dim() < 2 or "norm" in name or name.endswith(".bias")
@@ -85,6 +107,7 @@ class Trainer:
                  generation_config: dict[str, Any] | None = None):
         config.validate()
         self.model, self.tokenizer, self.mixture, self.config = model, tokenizer, mixture, config
+        self.dsa = set_stage(model, config.stage)
         self.out = Path(out_dir)
         self.generation_config = generation_config
         self.names = [n for n, p in model.named_parameters() if p.requires_grad]
@@ -95,6 +118,7 @@ class Trainer:
             [{"params": decay, "weight_decay": config.weight_decay}, {"params": plain, "weight_decay": 0.0}],
             lr=config.lr, betas=(config.beta1, config.beta2), foreach=False)
         self.step_idx = 0
+        self.parts: dict[str, float] = {}  # the last step's loss terms and indexer statistics
         self.log: list[dict[str, Any]] = []
         self.sources_spec: dict[str, Any] | None = None  # what the data was built from (checked on resume)
         torch.manual_seed(config.seed)
@@ -107,8 +131,21 @@ class Trainer:
             logits = model(batch["ids"], lengths=batch["lengths"], image_embeds=embeds, image_mask=batch["image_mask"])
         targets = batch["targets"]
         n = int((targets != -100).sum())
-        loss = F.cross_entropy(logits.float().flatten(0, 1), targets.flatten(), ignore_index=-100, reduction="sum")
-        return loss / max(n, 1), n
+        lm = F.cross_entropy(logits.float().flatten(0, 1), targets.flatten(), ignore_index=-100, reduction="sum")
+        lm = lm / max(n, 1)
+        self.parts = {"lm_loss": lm.item()}
+        if self.config.stage == "sft":
+            return lm, n
+        indexer = sum(m.indexer_loss for m in self.dsa if m.indexer_loss is not None) / max(1, len(self.dsa))
+        stats = [m.indexer_stats for m in self.dsa if m.indexer_stats]
+        self.parts["indexer_kl"] = indexer.item()
+        if stats:  # query-weighted over the DSA layers
+            q = sum(st["queries"] for st in stats)
+            self.parts["indexer_recall"] = sum(st["recall"] * st["queries"] for st in stats) / q
+            self.parts["recent_recall"] = sum(st["recent_recall"] * st["queries"] for st in stats) / q
+        # warm-up: only the indexer learns (everything else is frozen); sparse: the LM loss trains the model
+        # and the KL the indexer (its inputs are detached, and top-k selection passes no gradient)
+        return (indexer if self.config.stage == "indexer-warmup" else lm + indexer), n
 
     def step(self) -> dict[str, Any]:
         cfg, model = self.config, self.model
@@ -130,7 +167,7 @@ class Trainer:
         self.step_idx += 1
         dt = time.perf_counter() - t0
         tokens = int(batch["lengths"].sum())
-        entry = {"step": self.step_idx, "loss": loss.item(), "lr": lr, "grad_norm": float(grad_norm),
+        entry = {"step": self.step_idx, "loss": loss.item(), **self.parts, "lr": lr, "grad_norm": float(grad_norm),
                  "tokens": tokens, "target_tokens": n_targets, "tokens_per_s": tokens / dt, "seconds": dt}
         self.log.append(entry)
         return entry
