@@ -179,8 +179,8 @@ def active_weight_bytes(model: HorizonForCausalLM) -> int:
     cfg = model.config
     total = 0
     for name, p in model.named_parameters():
-        if name == "embed.weight" and not cfg.tie_word_embeddings:
-            continue
+        if (name == "embed.weight" and not cfg.tie_word_embeddings) or name.startswith("vision."):
+            continue  # one embedding row per step; the vision encoder runs per image, not per token
         frac = cfg.num_experts_per_tok / cfg.n_routed_experts if ".experts." in name else 1.0
         total += int(p.numel() * p.element_size() * frac)
     return total

@@ -122,9 +122,19 @@ def test_training_step_produces_gradients_everywhere_that_matters():
     loss = torch.nn.functional.cross_entropy(logits.flatten(0, 1), ids[:, 1:].flatten())
     loss.backward()
     no_grad = [n for n, p in model.named_parameters() if p.grad is None or not torch.isfinite(p.grad).all()]
-    # the indexer learns from its own KL loss (training issue), not from the LM loss: top-k is not differentiable
-    assert all(".indexer." in n for n in no_grad), no_grad
+    # the indexer learns from its own KL loss (training issue), not from the LM loss: top-k is not differentiable;
+    # the vision encoder only sees images (none here)
+    assert all(".indexer." in n or n.startswith("vision.") for n in no_grad), no_grad
     assert sum(int(m.load.sum()) for m in model.modules() if hasattr(m, "load")) > 0
+    # with an image, the vision encoder learns from the LM loss too
+    model.zero_grad()
+    img = torch.randint(0, 256, (32, 32, 3), dtype=torch.uint8)
+    emb = torch.cat(model.encode_images([img]))
+    mask = torch.zeros(2, 23, dtype=torch.bool)
+    mask[0, 2: 2 + emb.shape[0]] = True
+    logits = model(ids[:, :-1], image_embeds=emb, image_mask=mask)
+    torch.nn.functional.cross_entropy(logits.flatten(0, 1), ids[:, 1:].flatten()).backward()
+    assert all(p.grad is not None and torch.isfinite(p.grad).all() for p in model.vision.parameters())
 
 
 def test_paged_cache_with_scattered_blocks_equals_a_static_cache():
