@@ -355,6 +355,39 @@ def _cmd_train(args: argparse.Namespace) -> int:
     return 0
 
 
+def _cmd_eval(args: argparse.Namespace) -> int:
+    from horizon.checkpoint import open_model
+    from horizon.engine import Engine, EngineConfig
+    from horizon.eval import evaluate
+
+    bundle = open_model(args.model)
+    engine = Engine(bundle.model, bundle.tokenizer, EngineConfig(max_num_seqs=args.batch, max_batch_tokens=2048),
+                    generation_config=bundle.generation_config)
+    domains = [d for d in args.domains.split(",") if d]
+    tier = None if args.tier == "none" else args.tier
+    done = set()
+
+    def progress(name, finished, total):
+        if not args.json and finished == total and name not in done:
+            done.add(name)
+            print(f"{name}: {total} tasks done", file=sys.stderr, flush=True)
+
+    res = evaluate(engine, bundle.tokenizer, domains, args.n, tier, args.max_steps, args.max_tokens, args.seed,
+                   progress)
+    report = {"model": bundle.source, "tier": args.tier, "n": args.n, "domains": res}
+    if args.json:
+        print(json.dumps(report))
+        return 0
+    print(f"horizon eval: {bundle.source}, tier {args.tier}, {args.n} held-out tasks per domain")
+    print(f"{'domain':<12} {'accuracy':>9} {'95% CI':>15} {'tool-call validity':>19} {'thinking tokens':>16}")
+    for name, r in res.items():
+        validity = "-" if r["tool_call_validity"] is None else f"{r['tool_call_validity']:.3f} ({r['tool_calls']})"
+        lo, hi = r["ci95"]
+        ci = f"[{lo:.3f}, {hi:.3f}]"
+        print(f"{name:<12} {r['accuracy']:>9.3f} {ci:>15} {validity:>19} {r['thinking_tokens']:>16.1f}")
+    return 0
+
+
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="horizon", description=__doc__,
                                      formatter_class=argparse.RawDescriptionHelpFormatter)
@@ -477,6 +510,18 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--resume", action="store_true", help="continue the run in --out from its checkpoint")
     p.add_argument("--no-progress", action="store_true")
     p.set_defaults(func=_cmd_train)
+
+    p = sub.add_parser("eval", help="held-out tasks per domain: accuracy with a 95%% CI, tool-call validity, thinking")
+    p.add_argument("--model", default=None, help="checkpoint folder (default: the bundled model)")
+    p.add_argument("--tier", choices=["none", "low", "high", "max"], default="low")
+    p.add_argument("--domains", default="arithmetic,passkey,terminal,convert,image")
+    p.add_argument("--n", type=int, default=100, help="held-out tasks per domain")
+    p.add_argument("--max-steps", type=int, default=6, help="model calls per task")
+    p.add_argument("--max-tokens", type=int, default=512, help="tokens per model call (thinking included)")
+    p.add_argument("--batch", type=int, default=16, help="episodes decoded together")
+    p.add_argument("--seed", type=int, default=0, help="first held-out seed")
+    p.add_argument("--json", action="store_true")
+    p.set_defaults(func=_cmd_eval)
     return parser
 
 

@@ -388,14 +388,7 @@ class HTTPClient:
         if not self.stream_mode:
             turn = self.wire.turn(self._json("POST", self.wire.path, content=data, headers=headers))
             turn.elapsed_s = time.perf_counter() - t0
-            if on_event:  # what a stream would have shown, at once
-                if turn.thinking:
-                    on_event("thinking", {"text": turn.thinking})
-                if turn.text:
-                    on_event("text", {"text": turn.text})
-                for c in turn.calls:
-                    on_event("tool_call", {"id": c.id, "name": c.name})
-                    on_event("tool_args", {"text": c.arguments})
+            emit_turn(turn, on_event)
             return body, turn
         first: list[float] = []
         try:
@@ -413,6 +406,19 @@ class HTTPClient:
 
     def close(self) -> None:
         self.http.close()
+
+
+def emit_turn(turn: Turn, on_event: OnEvent | None) -> None:
+    """The events a stream of this whole turn would have produced, at once (for non-streamed replies)."""
+    if on_event is None:
+        return
+    if turn.thinking:
+        on_event("thinking", {"text": turn.thinking})
+    if turn.text:
+        on_event("text", {"text": turn.text})
+    for c in turn.calls:
+        on_event("tool_call", {"id": c.id, "name": c.name})
+        on_event("tool_args", {"text": c.arguments})
 
 
 def _body(content: bytes) -> Any:

@@ -123,56 +123,19 @@ class Agent:
 
     def run(self, task: str, history: list[dict[str, Any]] | None = None) -> AgentResult:
         """Work on `task` (a new user message after `history`, which is kept as given)."""
-        cfg, wire = self.config, self.client.wire
-        messages = [*(history or []), wire.user_message(task)]
-        usage, answer = Usage(), ""
-        if self.transcript:
-            self.transcript.write("meta", api=wire.api, model=wire.model, task=task, history=history or [],
-                                  tools=[{**t.spec(), "strict": t.strict} for t in self.tools.values()],
-                                  config=asdict(cfg), stream=getattr(self.client, "stream_mode", None),
-                                  base_url=getattr(self.client, "base_url", None))
-        stop, error, step = "max_steps", None, 0
-        for step in range(cfg.max_steps):
-            left = None if cfg.max_total_tokens is None else cfg.max_total_tokens - usage.completion_tokens
-            if left is not None and left <= 0:
-                stop = "token_budget"
-                break
-            plan = self.policy(step, messages)
-            if plan.tier is not None and plan.tier not in TIERS:
-                raise ValueError(f"policy gave tier={plan.tier!r} at step {step}: allowed {', '.join(TIERS)} or None")
-            if plan.tool_choice not in (None, "auto", "required", "none") and plan.tool_choice not in self.tools:
-                raise ValueError(f"policy forces tool {plan.tool_choice!r} at step {step}, which is not offered "
-                                 f"(offered: {', '.join(self.tools)})")
-            req = StepRequest(list(messages), list(self.tools.values()), plan.tier, plan.tool_choice,
-                              min(cfg.max_tokens_per_step, left) if left is not None else cfg.max_tokens_per_step,
-                              cfg.system, cfg.temperature, cfg.seed, dict(cfg.extra))
-            self.on_event("step", {"step": step, "tier": plan.tier, "tool_choice": plan.tool_choice})
+        episode = self.episode(task, history)
+        while (req := episode.next_request()) is not None:
             try:
                 body, turn = self.client.complete(req, self.on_event)
             except ClientError as e:
-                stop, error = "error", str(e)
-                self.on_event("error", {"step": step, "message": error})
-                if self.transcript:
-                    self.transcript.write("error", step=step, message=error, status=e.status, body=e.body)
+                episode.fail(e)
                 break
-            self._record_turn(step, body, turn)
-            messages.append(turn.message)  # exactly as returned: the full-history rule
-            usage.add(turn.usage)
-            answer = turn.text
-            if not turn.calls:
-                cut_by_budget = left is not None and req.max_tokens < cfg.max_tokens_per_step
-                stop = ("token_budget" if cut_by_budget else "length") if turn.finish_reason == "length" else "answer"
-                break
-            results = [self._run_tool(step, call) for call in turn.calls]  # in the order the model made them
-            messages.extend(wire.result_messages(turn.calls, results))
-        else:
-            step = cfg.max_steps - 1
-        result = AgentResult(answer, stop, step + 1, usage, messages, error)
-        self.on_event("done", {"stop_reason": stop, "steps": result.steps, "usage": asdict(usage), "error": error})
-        if self.transcript:
-            self.transcript.write("end", stop_reason=stop, steps=result.steps, usage=asdict(usage), answer=answer,
-                                  error=error, messages=messages)
-        return result
+            episode.receive(body, turn)
+        return episode.finish()
+
+    def episode(self, task: str, history: list[dict[str, Any]] | None = None) -> Episode:
+        """The run as a state machine, for callers that batch many episodes' steps (evaluation, RL)."""
+        return Episode(self, task, history)
 
     def _record_turn(self, step: int, body: dict[str, Any], turn: Turn) -> None:
         self.on_event("turn", {"step": step, "finish_reason": turn.finish_reason, "usage": asdict(turn.usage),
@@ -255,3 +218,77 @@ def _plan_of(api: str, body: dict[str, Any]) -> tuple[str | None, str | None]:
     choice = body.get("tool_choice") or {}
     kind = choice.get("type")
     return tier, {"any": "required", "tool": choice.get("name"), "none": "none"}.get(kind)
+
+
+class Episode:
+    """One agent run, a step at a time: `next_request()` (None once it has stopped), then
+    `receive(body, turn)` with the model's reply (tools run here), or `fail(error)`; `finish()`."""
+
+    def __init__(self, agent: Agent, task: str, history: list[dict[str, Any]] | None):
+        self.agent, self.cfg = agent, agent.config
+        wire = agent.client.wire
+        self.messages = [*(history or []), wire.user_message(task)]
+        self.usage, self.answer = Usage(), ""
+        self.step, self.stop, self.error = 0, None, None
+        self.req: StepRequest | None = None
+        if agent.transcript:
+            agent.transcript.write("meta", api=wire.api, model=wire.model, task=task, history=history or [],
+                                   tools=[{**t.spec(), "strict": t.strict} for t in agent.tools.values()],
+                                   config=asdict(self.cfg), stream=getattr(agent.client, "stream_mode", None),
+                                   base_url=getattr(agent.client, "base_url", None))
+
+    def next_request(self) -> StepRequest | None:
+        cfg, agent = self.cfg, self.agent
+        if self.stop is not None:
+            return None
+        if self.step >= cfg.max_steps:
+            self.stop = "max_steps"
+            return None
+        left = None if cfg.max_total_tokens is None else cfg.max_total_tokens - self.usage.completion_tokens
+        if left is not None and left <= 0:
+            self.stop = "token_budget"
+            return None
+        plan = agent.policy(self.step, self.messages)
+        if plan.tier is not None and plan.tier not in TIERS:
+            raise ValueError(f"policy gave tier={plan.tier!r} at step {self.step}: allowed {', '.join(TIERS)} or None")
+        if plan.tool_choice not in (None, "auto", "required", "none") and plan.tool_choice not in agent.tools:
+            raise ValueError(f"policy forces tool {plan.tool_choice!r} at step {self.step}, which is not offered "
+                             f"(offered: {', '.join(agent.tools)})")
+        self.req = StepRequest(list(self.messages), list(agent.tools.values()), plan.tier, plan.tool_choice,
+                               min(cfg.max_tokens_per_step, left) if left is not None else cfg.max_tokens_per_step,
+                               cfg.system, cfg.temperature, cfg.seed, dict(cfg.extra))
+        agent.on_event("step", {"step": self.step, "tier": plan.tier, "tool_choice": plan.tool_choice})
+        return self.req
+
+    def receive(self, body: dict[str, Any], turn: Turn) -> None:
+        agent, cfg = self.agent, self.cfg
+        agent._record_turn(self.step, body, turn)
+        self.messages.append(turn.message)  # exactly as returned: the full-history rule
+        self.usage.add(turn.usage)
+        self.answer = turn.text
+        step, self.step = self.step, self.step + 1
+        if not turn.calls:
+            cut_by_budget = cfg.max_total_tokens is not None and self.req.max_tokens < cfg.max_tokens_per_step
+            self.stop = (("token_budget" if cut_by_budget else "length") if turn.finish_reason == "length"
+                         else "answer")
+            return
+        results = [agent._run_tool(step, call) for call in turn.calls]  # in the order the model made them
+        self.messages.extend(agent.client.wire.result_messages(turn.calls, results))
+
+    def fail(self, error: ClientError) -> None:
+        self.stop, self.error = "error", str(error)
+        self.step += 1
+        self.agent.on_event("error", {"step": self.step - 1, "message": self.error})
+        if self.agent.transcript:
+            self.agent.transcript.write("error", step=self.step - 1, message=self.error, status=error.status,
+                                        body=error.body)
+
+    def finish(self) -> AgentResult:
+        stop = self.stop or "max_steps"
+        result = AgentResult(self.answer, stop, self.step, self.usage, self.messages, self.error)
+        self.agent.on_event("done", {"stop_reason": stop, "steps": result.steps, "usage": asdict(self.usage),
+                                     "error": self.error})
+        if self.agent.transcript:
+            self.agent.transcript.write("end", stop_reason=stop, steps=result.steps, usage=asdict(self.usage),
+                                        answer=self.answer, error=self.error, messages=self.messages)
+        return result

@@ -159,7 +159,8 @@ class Shell(Tool):
                 if not ready:
                     continue
                 data = os.read(fd, 65536)
-                if not data:  # EOF: every writer closed its end
+                if not data:  # EOF: every writer closed its end; the shell may still be on its way out
+                    timed_out = not _exited(proc.pid, deadline)
                     break
                 if size + len(data) > self.max_output_bytes:
                     chunks.append(data[: self.max_output_bytes - size])
@@ -198,3 +199,14 @@ class Shell(Tool):
         if not output and not note:
             return "[no output; exit code 0]"
         return (output + note).rstrip("\n")
+
+
+def _exited(pid: int, deadline: float) -> bool:
+    """Wait until the process has exited (without reaping it, so its group id stays ours to kill) or the
+    deadline passes; True if it exited."""
+    while True:
+        if os.waitid(os.P_PID, pid, os.WEXITED | os.WNOHANG | os.WNOWAIT) is not None:
+            return True
+        if time.monotonic() >= deadline:
+            return False
+        time.sleep(0.002)

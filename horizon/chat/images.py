@@ -312,3 +312,31 @@ def _to_rgb(img: Image.Image) -> np.ndarray:
     if img.mode != "RGB":
         img = img.convert("RGB")
     return np.array(img, dtype=np.uint8).reshape(img.size[1], img.size[0], 3)
+
+
+# --- a conversation's images -----------------------------------------------------------------------------------
+WHERE = "_where"  # an adapter may name an image part's place in its own API's request under this key
+
+
+def decode_conversation(messages: list[Any], limits: ImageLimits = DEFAULT_LIMITS) -> dict[int, torch.Tensor]:
+    """Every image part's pixels, keyed by the part's id(); ImageError names the first bad one
+    (``messages[i].content[j]``, or the adapter's own name under the ``_where`` key)."""
+    pixels: dict[int, torch.Tensor] = {}
+    for i, m in enumerate(messages):
+        content = m.get("content") if isinstance(m, Mapping) else None
+        if not isinstance(content, list):
+            continue
+        for j, part in enumerate(content):
+            if isinstance(part, Mapping) and part.get("type") in ("image_url", "image"):
+                pixels[id(part)] = decode_image(part, part.get(WHERE) or f"messages[{i}].content[{j}]", limits)
+    return pixels
+
+
+def render_with_images(tokenizer, messages: list[Any], pixels: dict[int, torch.Tensor], tokens_for, **render):
+    """(Rendered, the images' pixels in placeholder order): each image takes ``tokens_for(height, width)``
+    placeholders (the model's vision config decides; this module knows no model)."""
+    from horizon.chat.template import ChatTemplate
+
+    template = ChatTemplate(tokenizer, image_tokens=lambda part: tokens_for(*pixels[id(part)].shape[:2]))
+    out = template.render(messages, **render)
+    return out, [pixels[id(part)] for part in out.images]

@@ -81,6 +81,7 @@ from horizon.chat import (
     tool_call_text,
     validate_history,
 )
+from horizon.chat.images import WHERE
 from horizon.chat.messages import loads_strict
 from horizon.engine import ConstraintSpec, FinishEvent, SamplingParams, TokenEvent, Usage
 from horizon.server.anthropic_types import (
@@ -93,7 +94,7 @@ from horizon.server.anthropic_types import (
     ThinkingEnabled,
     ToolResultBlock,
 )
-from horizon.server.service import WHERE, Conversation, ModelService, ServiceError
+from horizon.server.service import Conversation, ModelService, ServiceError
 from horizon.server.signatures import ThinkingSigner
 
 log = logging.getLogger("horizon.server.anthropic")

@@ -20,12 +20,10 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from horizon.chat import ChatTemplate, HistoryIssue, validate_history
-from horizon.chat.images import ImageError, ImageLimits, decode_image
+from horizon.chat.images import WHERE, ImageError, ImageLimits, decode_conversation, render_with_images
 from horizon.engine import ConstraintSpec, Engine, Request, SamplingParams
 from horizon.engine.engine import EventStream
 from horizon.model.vision import num_image_tokens
-
-WHERE = "_where"  # an adapter may name an image part's place in its own API's request under this key
 
 
 class ServiceError(Exception):
@@ -92,38 +90,31 @@ class ModelService:
 
     def decode_images(self, conv: Conversation) -> dict[int, Any]:
         """Every image part's pixels (id of the part -> RGB uint8 [H, W, 3]); a bad image is a 400 naming it."""
-        pixels: dict[int, Any] = {}
-        for i, m in enumerate(conv.messages):
-            content = m.get("content") if isinstance(m, dict) else None
-            if not isinstance(content, list):
-                continue
-            for j, part in enumerate(content):
-                if not isinstance(part, dict) or part.get("type") not in ("image_url", "image"):
-                    continue
-                where = part.get(WHERE) or f"messages[{i}].content[{j}]"
-                if self.engine.model.vision is None:
-                    raise ServiceError("invalid_request", f"{where}: this model takes text only (it has no "
-                                                          f"vision encoder)", param=where)
-                try:
-                    pixels[id(part)] = decode_image(part, where, self.image_limits)
-                except ImageError as e:
-                    raise ServiceError("invalid_request", str(e), param=where) from None
-        return pixels
+        if self.engine.model.vision is None:
+            for i, m in enumerate(conv.messages):
+                content = m.get("content") if isinstance(m, dict) else None
+                for j, part in enumerate(content if isinstance(content, list) else []):
+                    if isinstance(part, dict) and part.get("type") in ("image_url", "image"):
+                        where = part.get(WHERE) or f"messages[{i}].content[{j}]"
+                        raise ServiceError("invalid_request", f"{where}: this model takes text only (it has no "
+                                                              f"vision encoder)", param=where)
+            return {}
+        try:
+            return decode_conversation(conv.messages, self.image_limits)
+        except ImageError as e:
+            raise ServiceError("invalid_request", str(e), param=getattr(e, "where", None)) from None
 
     def render(self, conv: Conversation, add_generation_prompt: bool = True,
                pixels: dict[int, Any] | None = None) -> tuple[list[int], list[Any]]:
         """(prompt ids, the images in placeholder order); each image takes the tokens its size gives."""
-        template = self.template
-        if pixels:
-            cfg = self.engine.model.config
-            template = ChatTemplate(self.tokenizer, image_tokens=lambda part: num_image_tokens(
-                cfg, *pixels[id(part)].shape[:2]))
+        cfg = self.engine.model.config
         try:
-            out = template.render(conv.messages, tools=conv.tools, tier=conv.tier,
-                                  add_generation_prompt=add_generation_prompt)
+            out, images = render_with_images(self.tokenizer, conv.messages, pixels or {},
+                                             lambda h, w: num_image_tokens(cfg, h, w), tools=conv.tools,
+                                             tier=conv.tier, add_generation_prompt=add_generation_prompt)
         except ValueError as e:
             raise ServiceError("invalid_request", str(e), param="messages") from None
-        return out.ids, [pixels[id(part)] for part in out.images] if pixels else []
+        return out.ids, images
 
     def prepare(self, conv: Conversation, params: SamplingParams) -> Prepared:
         """Validate the history, render the prompt, check it fits the context window with max_tokens."""

@@ -22,8 +22,7 @@ from typing import Any
 
 import torch
 
-from horizon.chat import ChatTemplate
-from horizon.chat.images import ImageError, decode_image
+from horizon.chat.images import decode_conversation, render_with_images
 from horizon.config import ModelConfig
 from horizon.model.vision import num_image_tokens
 
@@ -36,31 +35,17 @@ class Example:
     source: str = ""
 
 
-def _image_parts(messages: list[dict[str, Any]]):
-    for i, m in enumerate(messages):
-        content = m.get("content") if isinstance(m, dict) else None
-        if isinstance(content, list):
-            for j, part in enumerate(content):
-                if isinstance(part, dict) and part.get("type") in ("image_url", "image"):
-                    yield f"messages[{i}].content[{j}]", part
-
-
 def render_chat(tokenizer, cfg: ModelConfig, messages: list[dict[str, Any]], tools: list[dict] | None = None,
                 tier: str | None = None, source: str = "") -> Example:
     """One chat -> Example; ValueError (naming the message) for anything that cannot be rendered."""
-    pixels = {}
-    for where, part in _image_parts(messages):
-        if not cfg.vision_layers:
-            raise ValueError(f"{where}: the model has no vision encoder (vision_layers=0)")
-        try:
-            pixels[id(part)] = decode_image(part, where)
-        except ImageError as e:
-            raise ValueError(str(e)) from None
-    template = ChatTemplate(tokenizer, image_tokens=lambda part: num_image_tokens(cfg, *pixels[id(part)].shape[:2]))
-    out = template.render(messages, tools=tools, tier=tier, add_generation_prompt=False)
+    pixels = decode_conversation(messages)  # ImageError is a ValueError naming the part
+    if pixels and not cfg.vision_layers:
+        raise ValueError("the chat has images but the model has no vision encoder (vision_layers=0)")
+    out, images = render_with_images(tokenizer, messages, pixels, lambda h, w: num_image_tokens(cfg, h, w),
+                                     tools=tools, tier=tier, add_generation_prompt=False)
     if not any(out.assistant_mask):
         raise ValueError("the chat has no assistant turn: nothing to learn from")
-    return Example(out.ids, out.assistant_mask, [pixels[id(p)] for p in out.images], source)
+    return Example(out.ids, out.assistant_mask, images, source)
 
 
 def tool_specs(names: list[str], seed: int | None = None) -> list[dict[str, Any]] | None:

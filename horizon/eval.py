@@ -1,0 +1,106 @@
+"""`horizon eval`: held-out tasks of each domain through the engine, scored by the domains' rewards.
+
+Every task runs as an agent episode (`horizon.agent`) over an in-process `EngineClient`: single-turn
+domains end after one step, tool domains take as many as they need (up to `max_steps`), with their
+real tools (the terminal domain on the task's own simulated file system). Episodes advance in
+lockstep, so each step is one batched engine run over every unfinished episode. Nothing is
+constrained: tool-call validity measures the model.
+
+Per domain: `accuracy` (mean reward) with a 95% Wilson interval (`ci95`), `tool_call_validity`
+(calls that name an offered tool with a JSON-object argument matching its schema, over all calls;
+null when no call was made), `thinking_tokens` (mean per episode), mean steps, and the count.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import tempfile
+from typing import Any
+
+from horizon.agent import Agent, AgentConfig, fixed_policy
+from horizon.agent.local import EngineClient
+from horizon.agent.registry import make_tools
+from horizon.agent.tool import ToolError, check_arguments
+from horizon.tasks import get_domain, make_split
+
+DEFAULT_DOMAINS = ("arithmetic", "passkey", "terminal", "convert", "image")
+
+
+def wilson(successes: float, n: int, z: float = 1.96) -> tuple[float, float]:
+    """95% interval of a proportion (rewards in [0, 1] count as fractional successes)."""
+    if n == 0:
+        return 0.0, 1.0
+    p = successes / n
+    centre = (p + z * z / (2 * n)) / (1 + z * z / n)
+    half = z * math.sqrt(p * (1 - p) / n + z * z / (4 * n * n)) / (1 + z * z / n)
+    return max(0.0, centre - half), min(1.0, centre + half)
+
+
+def valid_call(call: dict[str, Any], tools: dict[str, Any]) -> bool:
+    fn = call.get("function") or {}
+    tool = tools.get(fn.get("name"))
+    if tool is None:
+        return False
+    try:
+        args = json.loads(fn.get("arguments") or "")
+        if not isinstance(args, dict):
+            return False
+        check_arguments(tool.parameters, args)
+    except (ValueError, ToolError):
+        return False
+    return True
+
+
+def task_tools(task, root: str) -> list:
+    """The task's tools; the terminal domain's on the task's own file system (its reward reads the end state)."""
+    if task.domain == "terminal":
+        from horizon.agent.simfs import Terminal
+        from horizon.tasks import task_fs
+
+        return [Terminal(task_fs(task))]
+    return make_tools(task.tools, root)
+
+
+def evaluate(engine, tokenizer, domains=DEFAULT_DOMAINS, n: int = 100, tier: str | None = "low",
+             max_steps: int = 6, max_tokens: int = 512, seed: int = 0, progress=None) -> dict[str, Any]:
+    client = EngineClient(engine, tokenizer)
+    out: dict[str, Any] = {}
+    for name in domains:
+        domain = get_domain(name)
+        tasks = make_split(domain, "heldout", n, start_seed=seed)
+        with tempfile.TemporaryDirectory(prefix="horizon-eval-") as root:
+            runs = []
+            for task in tasks:
+                tools = task_tools(task, root)
+                agent = Agent(client, tools, fixed_policy(tier),
+                              AgentConfig(max_steps=max_steps, max_tokens_per_step=max_tokens, temperature=0.0))
+                prompt = task.messages[-1]["content"]
+                runs.append((task, tools, agent.episode(prompt, task.messages[:-1] or None)))
+            active = [ep for _, _, ep in runs]
+            while active:
+                reqs = [(ep, ep.next_request()) for ep in active]
+                live = [(ep, r) for ep, r in reqs if r is not None]
+                for (ep, _), (body, turn) in zip(live, client.complete_many([r for _, r in live]), strict=True):
+                    ep.receive(body, turn)
+                active = [ep for ep, _ in live if ep.stop is None]
+                if progress:
+                    progress(name, len(runs) - len(active), len(runs))
+            rewards, thinking, steps, calls, valid = [], [], [], 0, 0
+            for task, tools, ep in runs:
+                result = ep.finish()
+                offered = {t.name: t for t in tools}
+                for m in result.messages:
+                    for c in m.get("tool_calls") or [] if m.get("role") == "assistant" else []:
+                        calls += 1
+                        valid += valid_call(c, offered)
+                score = getattr(domain, "score", None)
+                fs = tools[0].fs if task.domain == "terminal" else None
+                rewards.append(score(task, result.answer, fs) if score else domain.reward(task, result.answer))
+                thinking.append(result.usage.reasoning_tokens)
+                steps.append(result.steps)
+        lo, hi = wilson(sum(rewards), len(rewards))
+        out[name] = {"n": len(rewards), "accuracy": sum(rewards) / len(rewards), "ci95": [lo, hi],
+                     "tool_call_validity": valid / calls if calls else None, "tool_calls": calls,
+                     "thinking_tokens": sum(thinking) / len(thinking), "mean_steps": sum(steps) / len(steps)}
+    return out

@@ -1,0 +1,49 @@
+"""The in-process agent client and `horizon eval` (held-out tasks through the engine, per-domain metrics)."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+
+from horizon.agent import Agent, AgentConfig, Calculator, StepPlan
+from horizon.agent.local import EngineClient
+from horizon.checkpoint import open_model
+from horizon.cli import main
+from horizon.engine import Engine, EngineConfig
+from horizon.eval import valid_call, wilson
+
+
+def test_engine_client_runs_forced_calls_and_resumes_each_step_from_the_cache():
+    bundle = open_model()
+    budgets = {"thinking_budgets": {"low": 8, "high": 16, "max": 24}}  # the random model thinks to the cap
+    engine = Engine(bundle.model, bundle.tokenizer, EngineConfig(max_num_seqs=2, max_model_len=2048),
+                    generation_config={**bundle.generation_config, **budgets})
+    client = EngineClient(engine, bundle.tokenizer)
+    calc = Calculator()
+    calc.strict = True  # the server-side grammar holds the arguments to {"expression": string}
+    policy = lambda step, history: StepPlan("low" if step else None, "calculator" if step < 2 else "none")
+    result = Agent(client, [calc], policy, AgentConfig(max_steps=4, max_tokens_per_step=80, temperature=0.0)).run(
+        "What is 2 + 2?")
+    calls = [m for m in result.messages if m["role"] == "assistant" and m.get("tool_calls")]
+    assert len(calls) == 2 and all(c["tool_calls"][0]["function"]["name"] == "calculator" for c in calls)
+    assert all(valid_call(c["tool_calls"][0], {"calculator": calc}) for c in calls)
+    tool_results = [m for m in result.messages if m["role"] == "tool"]
+    assert len(tool_results) == 2 and calls[1]["reasoning_content"] is not None  # the second step thought
+    assert result.usage.cached_tokens > 0  # later steps resume the earlier ones' state
+
+
+def test_wilson_interval():
+    lo, hi = wilson(50, 100)
+    assert lo == pytest.approx(0.404, abs=1e-3) and hi == pytest.approx(0.596, abs=1e-3)
+    assert wilson(0, 10)[0] == 0.0 and wilson(10, 10)[1] == 1.0
+
+
+def test_eval_command_reports_every_domain(capsys):
+    assert main(["eval", "--n", "2", "--max-tokens", "40", "--max-steps", "2", "--json"]) == 0
+    report = json.loads(capsys.readouterr().out)
+    assert set(report["domains"]) == {"arithmetic", "passkey", "terminal", "convert", "image"}
+    for r in report["domains"].values():
+        assert r["n"] == 2 and 0 <= r["accuracy"] <= 1 and 0 <= r["ci95"][0] <= r["ci95"][1] <= 1
+        assert r["tool_call_validity"] is None or 0 <= r["tool_call_validity"] <= 1
+        assert r["thinking_tokens"] >= 0
