@@ -160,7 +160,7 @@ class Shell(Tool):
                     continue
                 data = os.read(fd, 65536)
                 if not data:  # EOF: every writer closed its end; the shell may still be on its way out
-                    timed_out = not _exited(proc.pid, deadline)
+                    timed_out = not _exited(proc, deadline)
                     break
                 if size + len(data) > self.max_output_bytes:
                     chunks.append(data[: self.max_output_bytes - size])
@@ -201,11 +201,16 @@ class Shell(Tool):
         return (output + note).rstrip("\n")
 
 
-def _exited(pid: int, deadline: float) -> bool:
-    """Wait until the process has exited (without reaping it, so its group id stays ours to kill) or the
-    deadline passes; True if it exited."""
+def _exited(proc: subprocess.Popen, deadline: float) -> bool:
+    """Wait until the shell has exited (without reaping it, so its group id stays ours to kill) or the
+    deadline passes; True if it exited (or was already reaped by an earlier poll())."""
     while True:
-        if os.waitid(os.P_PID, pid, os.WEXITED | os.WNOHANG | os.WNOWAIT) is not None:
+        if proc.returncode is not None:
+            return True
+        try:
+            if os.waitid(os.P_PID, proc.pid, os.WEXITED | os.WNOHANG | os.WNOWAIT) is not None:
+                return True
+        except ChildProcessError:  # reaped already
             return True
         if time.monotonic() >= deadline:
             return False
