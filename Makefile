@@ -11,7 +11,7 @@ PORT   ?= 8000
 # Re-install only when the dependency list changes.
 STAMP  := $(VENV)/.installed-$(shell cksum pyproject.toml | cut -d' ' -f1)
 
-.PHONY: serve test lint bench install clean
+.PHONY: serve test lint bench install clean bundle
 
 $(STAMP): pyproject.toml
 	@test -x $(PY) || $(PYTHON) -m venv $(VENV)
@@ -30,6 +30,15 @@ serve: $(STAMP)
 test: $(STAMP)
 	$(VENV)/bin/ruff check horizon tests bench
 	$(PY) -m pytest
+
+# The bundled model horizon-tiny: train the `mini` preset on the task domains (~50 min on 2 CPU cores),
+# then store it with MXFP4 experts where `horizon serve` finds it.
+BUNDLE_TRAIN := --preset mini --domains arithmetic,passkey-short,terminal,convert,image --per-domain 2000 \
+	--steps 1400 --batch-size 8 --max-len 768 --lr 3e-3 --warmup 50 --save-every 100 --thinking-budgets 128,512,2048
+bundle: $(STAMP)
+	$(VENV)/bin/horizon train --out runs/horizon-tiny $(BUNDLE_TRAIN)
+	rm -rf horizon/assets/horizon-tiny
+	$(VENV)/bin/horizon quantize runs/horizon-tiny/checkpoint horizon/assets/horizon-tiny
 
 bench: $(STAMP)
 	$(PY) bench/forward.py

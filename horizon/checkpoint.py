@@ -341,6 +341,8 @@ def load(path: str | Path, dtype: torch.dtype | None = None, device="cpu") -> Ho
 
 # --- a model ready to serve ----------------------------------------------------------------------------
 BUNDLED = "bundled"  # the name `open_model` accepts for the model Horizon ships
+RANDOM = "tiny-random"  # the random-weight tiny model (tests, and a fallback)
+BUNDLED_DIR = Path(__file__).parent / "assets" / "horizon-tiny"
 
 
 @dataclass
@@ -352,17 +354,23 @@ class Bundle:
 
 
 def open_model(path: str | Path | None = None, dtype: torch.dtype | None = None, device="cpu") -> Bundle:
-    """Model, tokenizer and generation config of a checkpoint folder, or of the bundled model.
+    """Model, tokenizer and generation config of a checkpoint folder, or of a model Horizon ships.
 
-    The bundled model is, until the training issue ships trained weights, the `tiny` preset with
-    random weights from a fixed seed (it speaks the chat format's tokens but not sense).
+    None or "bundled": the trained `horizon-tiny` shipped in `horizon/assets/horizon-tiny` (MXFP4
+    experts), or the random model below if a checkout lacks it. "tiny-random": the `tiny` preset with
+    random weights from a fixed seed, the same on every machine (it speaks the chat format's tokens
+    but not sense; the tests use it because its behaviour does not change when the bundled model is
+    retrained).
     """
     from horizon.chat import load_tokenizer
 
-    if path is None or str(path) == BUNDLED:
+    if str(path) == RANDOM or ((path is None or str(path) == BUNDLED) and not (BUNDLED_DIR / CONFIG).is_file()):
         model = HorizonForCausalLM(ModelConfig.preset("tiny"), init=False)
         model.init_weights(seed=0)  # the same weights on every machine
         model = model.to(device=device, dtype=dtype or torch.float32)
         return Bundle(model.eval(), load_tokenizer(), default_generation_config(), "bundled:tiny-random")
+    if path is None or str(path) == BUNDLED:
+        model = load(BUNDLED_DIR, dtype=dtype, device=device)
+        return Bundle(model, load_tokenizer(BUNDLED_DIR), load_generation_config(BUNDLED_DIR), "bundled:horizon-tiny")
     model = load(path, dtype=dtype, device=device)
     return Bundle(model, load_tokenizer(path), load_generation_config(path), str(path))

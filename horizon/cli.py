@@ -207,8 +207,8 @@ def _build_app(model: str | None, served_model_name: str | None = None, api_key:
                     EngineConfig(max_num_seqs=max_num_seqs, max_model_len=max_model_len,
                                  max_batch_tokens=max_batch_tokens, coverage_every=coverage_every),
                     generation_config=bundle.generation_config)
-    model_id = served_model_name or ("horizon-tiny-random" if bundle.source.startswith("bundled")
-                                     else os.path.basename(os.path.abspath(model)))
+    shipped = {"bundled:horizon-tiny": "horizon-tiny", "bundled:tiny-random": "horizon-tiny-random"}
+    model_id = served_model_name or shipped.get(bundle.source) or os.path.basename(os.path.abspath(model))
     from horizon.chat.images import ImageLimits
 
     limits = ImageLimits(allow_local_files=True, local_root=local_images) if local_images else ImageLimits()
@@ -342,6 +342,15 @@ def _cmd_train(args: argparse.Namespace) -> int:
         if len(values) != len(sources):
             raise ValueError(f"--ratios has {len(values)} values for {len(sources)} sources {list(sources)}")
         ratios = dict(zip(sources, values, strict=True))
+    if args.thinking_budgets:
+        from horizon.checkpoint import default_generation_config
+
+        values = [int(v) for v in args.thinking_budgets.split(",")]
+        if len(values) != 3 or any(v < 1 for v in values):
+            raise ValueError(f"--thinking-budgets takes three positive integers LOW,HIGH,MAX, "
+                             f"got {args.thinking_budgets!r}")
+        generation_config = {**(generation_config or default_generation_config()),
+                             "thinking_budgets": dict(zip(("low", "high", "max"), values, strict=True))}
     trainer = Trainer(model, tokenizer, Mixture(sources, ratios, seed=args.seed), config, out, generation_config)
     trainer.sources_spec = sources_spec
     if args.resume:
@@ -358,9 +367,10 @@ def _cmd_train(args: argparse.Namespace) -> int:
 def _cmd_eval(args: argparse.Namespace) -> int:
     from horizon.checkpoint import open_model
     from horizon.engine import Engine, EngineConfig
-    from horizon.eval import evaluate
+    from horizon.eval import evaluate, set_selection
 
     bundle = open_model(args.model)
+    set_selection(bundle.model, args.selection)
     engine = Engine(bundle.model, bundle.tokenizer, EngineConfig(max_num_seqs=args.batch, max_batch_tokens=2048),
                     generation_config=bundle.generation_config)
     domains = [d for d in args.domains.split(",") if d]
@@ -374,11 +384,12 @@ def _cmd_eval(args: argparse.Namespace) -> int:
 
     res = evaluate(engine, bundle.tokenizer, domains, args.n, tier, args.max_steps, args.max_tokens, args.seed,
                    progress)
-    report = {"model": bundle.source, "tier": args.tier, "n": args.n, "domains": res}
+    report = {"model": bundle.source, "tier": args.tier, "n": args.n, "selection": args.selection, "domains": res}
     if args.json:
         print(json.dumps(report))
         return 0
-    print(f"horizon eval: {bundle.source}, tier {args.tier}, {args.n} held-out tasks per domain")
+    print(f"horizon eval: {bundle.source}, tier {args.tier}, {args.n} held-out tasks per domain, "
+          f"DSA selection {args.selection}")
     print(f"{'domain':<12} {'accuracy':>9} {'95% CI':>15} {'tool-call validity':>19} {'thinking tokens':>16}")
     for name, r in res.items():
         validity = "-" if r["tool_call_validity"] is None else f"{r['tool_call_validity']:.3f} ({r['tool_calls']})"
@@ -496,6 +507,8 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--ratios", default=None, help="sampling ratios, one per source (domains, then data)")
     p.add_argument("--per-domain", type=int, default=1000, help="training tasks generated per domain")
     p.add_argument("--tier", choices=["low", "high", "max"], default="low", help="tier stated for thinking targets")
+    p.add_argument("--thinking-budgets", default=None, metavar="LOW,HIGH,MAX",
+                   help="thinking-token caps per tier written to the checkpoint's generation config")
     p.add_argument("--steps", type=int, default=None, help="optimiser steps (default 200; with --resume: the new end)")
     p.add_argument("--batch-size", type=int, default=8)
     p.add_argument("--max-len", type=int, default=1024)
@@ -520,6 +533,8 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--max-tokens", type=int, default=512, help="tokens per model call (thinking included)")
     p.add_argument("--batch", type=int, default=16, help="episodes decoded together")
     p.add_argument("--seed", type=int, default=0, help="first held-out seed")
+    p.add_argument("--selection", choices=["indexer", "recent"], default="indexer",
+                   help="DSA selection: the learned indexer, or the most recent index_topk positions (ablation)")
     p.add_argument("--json", action="store_true")
     p.set_defaults(func=_cmd_eval)
     return parser

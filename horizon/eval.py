@@ -62,6 +62,17 @@ def task_tools(task, root: str) -> list:
     return make_tools(task.tools, root)
 
 
+def set_selection(model, selection: str) -> None:
+    """"indexer" (the learned top-k) or "recent" (the index_topk most recent positions: the ablation)."""
+    from horizon.model.dsa import GatedDSA
+
+    if selection not in ("indexer", "recent"):
+        raise ValueError(f"selection={selection!r}: allowed indexer, recent")
+    for m in model.modules():
+        if isinstance(m, GatedDSA) and m.indexer is not None:
+            m.indexer.selection = selection
+
+
 def evaluate(engine, tokenizer, domains=DEFAULT_DOMAINS, n: int = 100, tier: str | None = "low",
              max_steps: int = 6, max_tokens: int = 512, seed: int = 0, progress=None) -> dict[str, Any]:
     client = EngineClient(engine, tokenizer)

@@ -18,7 +18,7 @@ class LiveServer(BackgroundServer):
     def __init__(self, key_dir, api_key: str | None = "test-key", history_policy: str = "reject",
                  max_queue: int = 64, engine_config: EngineConfig | None = None, max_body_bytes: int = 1 << 20,
                  generation_config: dict | None = None):
-        bundle = open_model()
+        bundle = open_model("tiny-random")
         self.engine = Engine(bundle.model, bundle.tokenizer,
                              engine_config or EngineConfig(max_num_seqs=4, max_model_len=2048, max_batch_tokens=256),
                              generation_config={**bundle.generation_config, **(generation_config or {})})

@@ -111,6 +111,22 @@ def test_sparse_selection_restricts_attention_to_the_indexer_choice():
     torch.testing.assert_close(out, explicit_attention(layer, x, allowed), atol=1e-5, rtol=0)
 
 
+def test_recent_selection_keeps_the_most_recent_positions():
+    k, T = 8, 40
+    layer = make_layer(index_topk=k)
+    layer.indexer.selection = "recent"  # the ablation baseline of `horizon eval --selection recent`
+    layer.record_selection = True
+    x = torch.randn(T, 64)
+    out = run(layer, x)
+    got = layer.last_selection[0]
+    allowed = torch.zeros(T, T, dtype=torch.bool)
+    for t in range(T):
+        want = list(range(max(0, t - k + 1), t + 1))
+        assert sorted(s for s in got[t].tolist() if s <= t) == want, f"query {t}"
+        allowed[t, want] = True
+    torch.testing.assert_close(out, explicit_attention(layer, x, allowed), atol=1e-5, rtol=0)
+
+
 def test_ties_break_toward_recent_positions_in_prefill_decode_and_batches():
     """With the indexer weights at zero every score ties: the selection must be the k most recent
     positions, the same in one prefill, token-by-token decode, and a batch with other sequences."""

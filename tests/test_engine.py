@@ -211,17 +211,18 @@ def test_async_streams_and_a_client_that_walks_away(model):
     assert_empty(e)
 
 
-def test_generate_and_chat_commands_stream_from_the_bundled_model():
+def test_generate_and_chat_commands_stream_from_the_random_model():
     import subprocess
     import sys
 
     run = [sys.executable, "-m", "horizon.cli"]
-    out = subprocess.run(run + ["generate", "--prompt", "hi", "--tier", "low", "--max-tokens", "8", "--seed", "1"],
-                         capture_output=True, text=True, timeout=120)
+    # the random model: it never ends thinking or a turn by itself, so the counts below are exact
+    out = subprocess.run(run + ["generate", "--model", "tiny-random", "--prompt", "hi", "--tier", "low",
+                                "--max-tokens", "8", "--seed", "1"], capture_output=True, text=True, timeout=120)
     assert out.returncode == 0, out.stderr
     assert "thinking:" in out.stdout and "8 tokens, 8 thinking" in out.stdout
-    out = subprocess.run(run + ["chat", "--max-tokens", "5", "--temperature", "0"], input="hello\nagain\n\n",
-                         capture_output=True, text=True, timeout=120)
+    out = subprocess.run(run + ["chat", "--model", "tiny-random", "--max-tokens", "5", "--temperature", "0"],
+                         input="hello\nagain\n\n", capture_output=True, text=True, timeout=120)
     assert out.returncode == 0, out.stderr
     assert out.stdout.count("[length; 5 tokens") == 2
 

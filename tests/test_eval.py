@@ -15,7 +15,7 @@ from horizon.eval import valid_call, wilson
 
 
 def test_engine_client_runs_forced_calls_and_resumes_each_step_from_the_cache():
-    bundle = open_model()
+    bundle = open_model("tiny-random")
     budgets = {"thinking_budgets": {"low": 8, "high": 16, "max": 24}}  # the random model thinks to the cap
     engine = Engine(bundle.model, bundle.tokenizer, EngineConfig(max_num_seqs=2, max_model_len=2048),
                     generation_config={**bundle.generation_config, **budgets})

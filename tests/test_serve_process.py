@@ -14,8 +14,10 @@ from horizon.server.background import free_port
 
 def test_sigterm_lets_the_running_stream_finish_then_exits(tmp_path):
     port = free_port()
-    proc = subprocess.Popen([sys.executable, "-m", "horizon.cli", "serve", "--port", str(port), "--max-model-len",
-                             "512", "--signature-key-file", str(tmp_path / "key"), "--log-level", "warning"],
+    # the random model: it never ends a turn by itself, so the stream is still running when SIGTERM lands
+    proc = subprocess.Popen([sys.executable, "-m", "horizon.cli", "serve", "--model", "tiny-random",
+                             "--port", str(port), "--max-model-len", "512", "--signature-key-file",
+                             str(tmp_path / "key"), "--log-level", "warning"],
                             stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
     url = f"http://127.0.0.1:{port}"
     try:

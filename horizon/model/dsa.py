@@ -93,6 +93,9 @@ class LightningIndexer(nn.Module):
         self.wk = nn.Linear(cfg.hidden_size, self.head_dim, bias=False)
         self.k_norm = nn.LayerNorm(self.head_dim, eps=1e-6)
         self.weights_proj = nn.Linear(cfg.hidden_size, self.n_heads, bias=False)
+        # "recent": ignore the scores and keep the topk most recent positions (the ablation baseline that
+        # shows what the learned selection is worth, e.g. `horizon eval --selection recent`)
+        self.selection = "indexer"
 
     def _rope(self, x: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
         if not self.rope_dim:
@@ -135,9 +138,11 @@ class LightningIndexer(nn.Module):
         Position s is visible to a query at p when s <= p and s < ctx_len[b]; invisible positions
         score -inf, so they are chosen only when fewer than k positions are visible.
         """
-        sc = self.scores(q, w, keys)  # [B, t, L]
         s_pos = torch.arange(keys.shape[1], device=keys.device)
         visible = (s_pos <= q_pos[..., None]) & (s_pos < ctx_len[:, None, None])
+        if self.selection == "recent":  # score = position: the top-k are the most recent visible ones
+            return topk_recent_first(s_pos.float().expand_as(visible).masked_fill(~visible, -math.inf), k)
+        sc = self.scores(q, w, keys)  # [B, t, L]
         return topk_recent_first(sc.masked_fill(~visible, -math.inf), k)
 
 

@@ -33,6 +33,8 @@ from horizon.tasks.terminal import TerminalDomain, task_fs
 register(ImageDomain())
 register(ArithmeticDomain())
 register(PasskeyDomain())
+# ~200-500 tokens: about 4x the bundled model's index_topk (64), where sparse selection must find the key
+register(PasskeyDomain(min_words=60, max_words=140, name="passkey-short"))
 register(TerminalDomain())
 register(ConvertDomain())
 

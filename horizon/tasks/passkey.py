@@ -79,10 +79,12 @@ class PasskeyDomain(Domain):
     name = "passkey"
     tools = ()
 
-    def __init__(self, min_words: int = MIN_WORDS, max_words: int = MAX_WORDS):
+    def __init__(self, min_words: int = MIN_WORDS, max_words: int = MAX_WORDS, name: str | None = None):
         if not 1 <= min_words <= max_words:
             raise ValueError(f"need 1 <= min_words <= max_words, got {min_words} and {max_words}")
         self.min_words, self.max_words = min_words, max_words
+        if name is not None:  # a registered variant (its random streams and task ids carry this name)
+            self.name = name
 
     def generate(self, seed: int, split: str) -> Task:
         rng = self.rng(seed, split)
