@@ -14,7 +14,7 @@ from typing import Any
 
 from horizon.agent.client import OnEvent, OpenAIWire, StepRequest, ToolCall, Turn, Usage, emit_turn
 from horizon.chat.images import decode_conversation, render_with_images
-from horizon.chat.parser import ParsedTurn
+from horizon.chat.parser import ParsedTurn, TextDelta, ToolCallArgs, ToolCallStart
 from horizon.engine import ConstraintSpec, Request, SamplingParams
 from horizon.model.vision import num_image_tokens
 
@@ -59,7 +59,8 @@ class EngineClient:
         elapsed = time.perf_counter() - t0
         out = []
         for req, (body, _), res in zip(reqs, built, results, strict=True):
-            parsed = ParsedTurn.from_deltas([d for ev in res.events for d in ev.deltas], req.tier)
+            parsed = ParsedTurn.from_deltas(_nameless_calls_as_text(d for ev in res.events for d in ev.deltas),
+                                            req.tier)
             message = parsed.to_message()
             calls = [ToolCall(c.id, c.name, c.arguments) for c in parsed.tool_calls]
             u = res.finish.usage
@@ -79,3 +80,17 @@ class EngineClient:
 
     def close(self) -> None:
         pass
+
+
+def _nameless_calls_as_text(deltas) -> list:
+    """A call whose name could not be read goes to the text, as the server returns it: no client could run
+    it, and the history must still say what the model wrote."""
+    dropped, out = set(), []
+    for d in deltas:
+        if isinstance(d, ToolCallStart) and not d.name:
+            dropped.add(d.index)
+        elif isinstance(d, ToolCallArgs) and d.index in dropped:
+            out.append(TextDelta(d.text))
+        else:
+            out.append(d)
+    return out
