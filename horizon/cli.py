@@ -364,6 +364,48 @@ def _cmd_train(args: argparse.Namespace) -> int:
     return 0
 
 
+def _cmd_rl(args: argparse.Namespace) -> int:
+    from pathlib import Path
+
+    import torch
+
+    from horizon.chat import load_tokenizer
+    from horizon.checkpoint import load, load_generation_config
+    from horizon.engine import Engine, EngineConfig
+    from horizon.train.rl import RLConfig, RLTrainer
+    from horizon.train.trainer import TRAINER_STATE, TrainConfig, config_from_dict
+
+    out = Path(args.out)
+    state = out / "checkpoint" / TRAINER_STATE / "state.json"
+    source = out / "checkpoint" if args.resume else Path(args.init)
+    if args.resume and not state.exists():
+        raise ValueError(f"--resume: {state} does not exist (nothing to resume in {out})")
+    model = load(source, dtype=torch.float32)
+    tokenizer, generation_config = load_tokenizer(source), load_generation_config(source)
+    tiers = [None if t == "none" else t for t in args.tiers.split(",")]
+    rl = RLConfig(domains=args.domains.split(","), ratios=[float(r) for r in args.ratios.split(",")]
+                  if args.ratios else None, adaptive=args.adaptive, prompts_per_step=args.prompts,
+                  group_size=args.group, tiers=tiers, thinking_cost=args.thinking_cost, kl_coef=args.kl,
+                  temperature=args.temperature, max_episode_steps=args.episode_steps, max_tokens=args.max_tokens,
+                  indexer_loss=not args.no_indexer_loss)
+    if args.resume:
+        config = config_from_dict({**json.loads(state.read_text())["config"],
+                                   **({"steps": args.steps} if args.steps else {})})
+    else:
+        config = TrainConfig(steps=args.steps or 100, lr=args.lr, warmup_steps=args.warmup, seed=args.seed,
+                             save_every=args.save_every, max_len=args.max_len, weight_decay=0.0)
+    engine = Engine(model, tokenizer, EngineConfig(max_num_seqs=min(64, args.prompts * args.group),
+                                                   max_batch_tokens=4096), generation_config=generation_config)
+    trainer = RLTrainer(model, tokenizer, engine, config, rl, out, generation_config)
+    if args.resume:
+        trainer.restore()
+    print(f"horizon rl: {args.domains}, {args.prompts} tasks x {args.group} rollouts per step, "
+          f"step {trainer.step_idx} -> {config.steps}", flush=True)
+    trainer.train(progress=not args.no_progress)
+    print(f"done: checkpoint {trainer.checkpoint_dir}, log {out / 'rl_log.jsonl'}, plot {out / 'rl_curves.png'}")
+    return 0
+
+
 def _cmd_eval(args: argparse.Namespace) -> int:
     from horizon.checkpoint import open_model
     from horizon.engine import Engine, EngineConfig
@@ -523,6 +565,31 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--resume", action="store_true", help="continue the run in --out from its checkpoint")
     p.add_argument("--no-progress", action="store_true")
     p.set_defaults(func=_cmd_train)
+
+    p = sub.add_parser("rl", help="joint RL across task domains (GRPO, per-domain reward normalisation)")
+    p.add_argument("--out", required=True, help="run folder: checkpoint/, rl_log.jsonl, rl_curves.png")
+    p.add_argument("--init", default="bundled", help="the SFT checkpoint to start from (default: the bundled model)")
+    p.add_argument("--domains", default="arithmetic,passkey-short,terminal,convert,image")
+    p.add_argument("--ratios", default=None, help="domain sampling ratios, one per domain (default: equal)")
+    p.add_argument("--adaptive", action="store_true", help="favour domains whose accuracy is neither ~0 nor ~1")
+    p.add_argument("--steps", type=int, default=None, help="optimiser steps (default 100; with --resume: the new end)")
+    p.add_argument("--prompts", type=int, default=4, help="tasks per step")
+    p.add_argument("--group", type=int, default=4, help="rollouts per task (the GRPO group)")
+    p.add_argument("--tiers", default="low", help="thinking tiers sampled per rollout, e.g. none,low,high")
+    p.add_argument("--thinking-cost", type=float, default=0.0, help="reward cost of a full thinking budget")
+    p.add_argument("--kl", type=float, default=0.0, help="KL penalty to the initial policy (0: off)")
+    p.add_argument("--lr", type=float, default=1e-4)
+    p.add_argument("--warmup", type=int, default=5)
+    p.add_argument("--temperature", type=float, default=1.0)
+    p.add_argument("--episode-steps", type=int, default=4, help="model calls per rollout")
+    p.add_argument("--max-tokens", type=int, default=256, help="tokens per model call")
+    p.add_argument("--max-len", type=int, default=2048, help="tokens per rollout in the loss")
+    p.add_argument("--no-indexer-loss", action="store_true", help="stop training the DSA indexers during RL")
+    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--save-every", type=int, default=25)
+    p.add_argument("--resume", action="store_true")
+    p.add_argument("--no-progress", action="store_true")
+    p.set_defaults(func=_cmd_rl)
 
     p = sub.add_parser("eval", help="held-out tasks per domain: accuracy with a 95%% CI, tool-call validity, thinking")
     p.add_argument("--model", default=None, help="checkpoint folder (default: the bundled model)")

@@ -73,6 +73,26 @@ def set_selection(model, selection: str) -> None:
             m.indexer.selection = selection
 
 
+def run_lockstep(client: EngineClient, episodes: list, progress=None) -> None:
+    """Advance every episode a step at a time, each step one batched engine run over those still going."""
+    active = list(episodes)
+    while active:
+        live = [(ep, r) for ep in active if (r := ep.next_request()) is not None]
+        for (ep, _), (body, turn) in zip(live, client.complete_many([r for _, r in live]), strict=True):
+            ep.receive(body, turn)
+        active = [ep for ep, _ in live if ep.stop is None]
+        if progress:
+            progress(len(episodes) - len(active), len(episodes))
+
+
+def reward_of(domain, task, tools: list, answer: str) -> float:
+    """The domain's reward; the terminal domain also scores the end state of the task's file system."""
+    score = getattr(domain, "score", None)
+    if score is not None:
+        return score(task, answer, tools[0].fs if task.domain == "terminal" else None)
+    return domain.reward(task, answer)
+
+
 def evaluate(engine, tokenizer, domains=DEFAULT_DOMAINS, n: int = 100, tier: str | None = "low",
              max_steps: int = 6, max_tokens: int = 512, seed: int = 0, progress=None) -> dict[str, Any]:
     client = EngineClient(engine, tokenizer)
@@ -88,15 +108,8 @@ def evaluate(engine, tokenizer, domains=DEFAULT_DOMAINS, n: int = 100, tier: str
                               AgentConfig(max_steps=max_steps, max_tokens_per_step=max_tokens, temperature=0.0))
                 prompt = task.messages[-1]["content"]
                 runs.append((task, tools, agent.episode(prompt, task.messages[:-1] or None)))
-            active = [ep for _, _, ep in runs]
-            while active:
-                reqs = [(ep, ep.next_request()) for ep in active]
-                live = [(ep, r) for ep, r in reqs if r is not None]
-                for (ep, _), (body, turn) in zip(live, client.complete_many([r for _, r in live]), strict=True):
-                    ep.receive(body, turn)
-                active = [ep for ep, _ in live if ep.stop is None]
-                if progress:
-                    progress(name, len(runs) - len(active), len(runs))
+            run_lockstep(client, [ep for _, _, ep in runs],
+                         (lambda done, total, name=name: progress(name, done, total)) if progress else None)
             rewards, thinking, steps, calls, valid = [], [], [], 0, 0
             for task, tools, ep in runs:
                 result = ep.finish()
@@ -105,9 +118,7 @@ def evaluate(engine, tokenizer, domains=DEFAULT_DOMAINS, n: int = 100, tier: str
                     for c in m.get("tool_calls") or [] if m.get("role") == "assistant" else []:
                         calls += 1
                         valid += valid_call(c, offered)
-                score = getattr(domain, "score", None)
-                fs = tools[0].fs if task.domain == "terminal" else None
-                rewards.append(score(task, result.answer, fs) if score else domain.reward(task, result.answer))
+                rewards.append(reward_of(domain, task, tools, result.answer))
                 thinking.append(result.usage.reasoning_tokens)
                 steps.append(result.steps)
         lo, hi = wilson(sum(rewards), len(rewards))

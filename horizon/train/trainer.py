@@ -153,11 +153,27 @@ class Trainer:
         t0 = time.perf_counter()
         batch = collate(self.mixture.sample(cfg.batch_size), cfg.max_len, model.config,
                         self.tokenizer.special.image)
-        lr = cfg.lr_at(self.step_idx)
+        lr = self.begin_update()
+        loss, n_targets = self.loss(batch)
+        grad_norm = self.apply_update(loss)
+        dt = time.perf_counter() - t0
+        tokens = int(batch["lengths"].sum())
+        entry = {"step": self.step_idx, "loss": loss.item(), **self.parts, "lr": lr, "grad_norm": float(grad_norm),
+                 "tokens": tokens, "target_tokens": n_targets, "tokens_per_s": tokens / dt, "seconds": dt}
+        self.log.append(entry)
+        return entry
+
+    def begin_update(self) -> float:
+        """Set this step's learning rate and clear the gradients; returns the rate."""
+        lr = self.config.lr_at(self.step_idx)
         for group in self.optimizer.param_groups:
             group["lr"] = lr
         self.optimizer.zero_grad(set_to_none=True)
-        loss, n_targets = self.loss(batch)
+        return lr
+
+    def apply_update(self, loss: torch.Tensor) -> float:
+        """Backward, clip, AdamW step, the MoE bias update; returns the gradient norm before clipping."""
+        cfg, model = self.config, self.model
         loss.backward()
         grad_norm = torch.nn.utils.clip_grad_norm_([p for p in model.parameters() if p.grad is not None],
                                                    cfg.grad_clip)
@@ -165,12 +181,7 @@ class Trainer:
         if cfg.moe_bias_gamma:
             balance_moe_bias(model, cfg.moe_bias_gamma)
         self.step_idx += 1
-        dt = time.perf_counter() - t0
-        tokens = int(batch["lengths"].sum())
-        entry = {"step": self.step_idx, "loss": loss.item(), **self.parts, "lr": lr, "grad_norm": float(grad_norm),
-                 "tokens": tokens, "target_tokens": n_targets, "tokens_per_s": tokens / dt, "seconds": dt}
-        self.log.append(entry)
-        return entry
+        return float(grad_norm)
 
     def train(self, progress: bool = True) -> list[dict[str, Any]]:
         """Steps until config.steps; checkpoints every save_every steps and at the end."""
@@ -218,7 +229,8 @@ class Trainer:
                 tensors[f"optim.{name}.{key}"] = value.detach().clone().reshape(-1) if value.dim() == 0 else value
         (tmp / TRAINER_STATE).mkdir()
         save_file({k: v.contiguous() for k, v in tensors.items()}, tmp / TRAINER_STATE / "state.safetensors")
-        meta = {"step": self.step_idx, "config": asdict(self.config), "sources": self.sources_spec, "log": self.log}
+        meta = {"step": self.step_idx, "config": asdict(self.config), "sources": self.sources_spec, "log": self.log,
+                "extra": self.extra_state()}
         (tmp / TRAINER_STATE / "state.json").write_text(json.dumps(meta, indent=1))
         if final.exists():
             _rmtree(final)
@@ -239,11 +251,21 @@ class Trainer:
         torch.set_rng_state(tensors["rng.torch"])
         self.mixture.generator.set_state(tensors["rng.mixture"])
         self.step_idx, self.log = int(meta["step"]), list(meta["log"])
+        self.load_extra_state(meta.get("extra") or {})
+
+    def extra_state(self) -> dict[str, Any]:
+        """JSON state a subclass adds to checkpoints (the RL trainer: reward statistics, task counters)."""
+        return {}
+
+    def load_extra_state(self, state: dict[str, Any]) -> None:
+        pass
+
+    log_name, plot_name = "train_log.jsonl", "train_curves.png"
 
     def write_log(self) -> None:
-        """train_log.jsonl and train_curves.png (loss and throughput per step)."""
+        """The log as JSONL (log_name) and its curves (plot_name, matplotlib)."""
         self.out.mkdir(parents=True, exist_ok=True)
-        with open(self.out / "train_log.jsonl", "w") as f:
+        with open(self.out / self.log_name, "w") as f:
             for entry in self.log:
                 f.write(json.dumps(entry) + "\n")
         if not self.log:
@@ -253,15 +275,20 @@ class Trainer:
         matplotlib.use("Agg")  # files only, no display
         import matplotlib.pyplot as plt
 
+        fig = self.plot(plt)
+        fig.tight_layout()
+        fig.savefig(self.out / self.plot_name, dpi=100)
+        plt.close(fig)
+
+    def plot(self, plt):
+        """Loss and throughput per step."""
         steps = [e["step"] for e in self.log]
         fig, (a, b) = plt.subplots(1, 2, figsize=(10, 3.5))
         a.plot(steps, [e["loss"] for e in self.log])
         a.set(xlabel="step", ylabel="loss (assistant tokens)", title="training loss")
         b.plot(steps, [e["tokens_per_s"] for e in self.log])
         b.set(xlabel="step", ylabel="tokens / s", title="throughput")
-        fig.tight_layout()
-        fig.savefig(self.out / "train_curves.png", dpi=100)
-        plt.close(fig)
+        return fig
 
 
 def config_from_dict(d: dict[str, Any]) -> TrainConfig:
