@@ -594,7 +594,7 @@ def build_parser() -> argparse.ArgumentParser:
     p = sub.add_parser("eval", help="held-out tasks per domain: accuracy with a 95%% CI, tool-call validity, thinking")
     p.add_argument("--model", default=None, help="checkpoint folder (default: the bundled model)")
     p.add_argument("--tier", choices=["none", "low", "high", "max"], default="low")
-    p.add_argument("--domains", default="arithmetic,passkey,terminal,convert,image")
+    p.add_argument("--domains", default="arithmetic,passkey-short,terminal,convert,image")
     p.add_argument("--n", type=int, default=100, help="held-out tasks per domain")
     p.add_argument("--max-steps", type=int, default=6, help="model calls per task")
     p.add_argument("--max-tokens", type=int, default=512, help="tokens per model call (thinking included)")

@@ -24,7 +24,7 @@ from horizon.agent.registry import make_tools
 from horizon.agent.tool import ToolError, check_arguments
 from horizon.tasks import get_domain, make_split
 
-DEFAULT_DOMAINS = ("arithmetic", "passkey", "terminal", "convert", "image")
+DEFAULT_DOMAINS = ("arithmetic", "passkey-short", "terminal", "convert", "image")
 
 
 def wilson(successes: float, n: int, z: float = 1.96) -> tuple[float, float]:

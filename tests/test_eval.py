@@ -42,7 +42,7 @@ def test_wilson_interval():
 def test_eval_command_reports_every_domain(capsys):
     assert main(["eval", "--n", "2", "--max-tokens", "40", "--max-steps", "2", "--json"]) == 0
     report = json.loads(capsys.readouterr().out)
-    assert set(report["domains"]) == {"arithmetic", "passkey", "terminal", "convert", "image"}
+    assert set(report["domains"]) == {"arithmetic", "passkey-short", "terminal", "convert", "image"}
     for r in report["domains"].values():
         assert r["n"] == 2 and 0 <= r["accuracy"] <= 1 and 0 <= r["ci95"][0] <= r["ci95"][1] <= 1
         assert r["tool_call_validity"] is None or 0 <= r["tool_call_validity"] <= 1
