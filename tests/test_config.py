@@ -58,7 +58,7 @@ def test_unknown_fields_and_foreign_model_types_are_refused():
         ModelConfig.from_dict({**data, "hiden_size": 3})
     with pytest.raises(ValueError, match="kimi_linear"):
         ModelConfig.from_dict({**data, "model_type": "kimi_linear"})
-    with pytest.raises(ValueError, match="unknown preset 'huge'; allowed: tiny, small, 2.8t"):
+    with pytest.raises(ValueError, match="unknown preset 'huge'; allowed: tiny, mini, small, 2.8t"):
         ModelConfig.preset("huge")
 
 
