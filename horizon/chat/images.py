@@ -318,18 +318,21 @@ def _to_rgb(img: Image.Image) -> np.ndarray:
 WHERE = "_where"  # an adapter may name an image part's place in its own API's request under this key
 
 
-def decode_conversation(messages: list[Any], limits: ImageLimits = DEFAULT_LIMITS) -> dict[int, torch.Tensor]:
-    """Every image part's pixels, keyed by the part's id(); ImageError names the first bad one
-    (``messages[i].content[j]``, or the adapter's own name under the ``_where`` key)."""
-    pixels: dict[int, torch.Tensor] = {}
+def image_parts(messages: list[Any]):
+    """(where, part) for every image part of a conversation: ``messages[i].content[j]``, or the adapter's own
+    name for the part under the ``_where`` key."""
     for i, m in enumerate(messages):
         content = m.get("content") if isinstance(m, Mapping) else None
         if not isinstance(content, list):
             continue
         for j, part in enumerate(content):
             if isinstance(part, Mapping) and part.get("type") in ("image_url", "image"):
-                pixels[id(part)] = decode_image(part, part.get(WHERE) or f"messages[{i}].content[{j}]", limits)
-    return pixels
+                yield part.get(WHERE) or f"messages[{i}].content[{j}]", part
+
+
+def decode_conversation(messages: list[Any], limits: ImageLimits = DEFAULT_LIMITS) -> dict[int, torch.Tensor]:
+    """Every image part's pixels, keyed by the part's id(); ImageError names the first bad one."""
+    return {id(part): decode_image(part, where, limits) for where, part in image_parts(messages)}
 
 
 def render_with_images(tokenizer, messages: list[Any], pixels: dict[int, torch.Tensor], tokens_for, **render):

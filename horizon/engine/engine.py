@@ -17,7 +17,6 @@ The engine knows token ids and the chat format's special tokens, never HTTP.
 from __future__ import annotations
 
 import asyncio
-import hashlib
 import logging
 import math
 import queue
@@ -29,6 +28,7 @@ from dataclasses import dataclass, field
 
 import torch
 
+from horizon.chat.images import image_digest
 from horizon.chat.thinking import DEFAULT_THINKING_BUDGETS
 from horizon.engine.constraints import Grammars, finishing
 from horizon.engine.params import Event, FinishEvent, Request, TokenEvent, Usage
@@ -203,8 +203,7 @@ class Engine:
             if len(run) < n or run[-1] - run[0] != n - 1:
                 raise ValueError(f"images[{j}] ({img.shape[1]}x{img.shape[0]} px) needs a run of {n} image "
                                  f"placeholders in the prompt; the prompt has {len(positions) - at} left")
-            digest = hashlib.sha256(str(tuple(img.shape)).encode() + img.contiguous().numpy().tobytes()).hexdigest()
-            layout.append((run[0], n, digest[:32]))
+            layout.append((run[0], n, image_digest(img)))
             at += n
         if at != len(positions):
             raise ValueError(f"the prompt has {len(positions)} image placeholders but the images fill {at}")

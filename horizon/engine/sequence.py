@@ -147,7 +147,7 @@ class ImageRuns:
 
     def key(self, tokens: list[int]) -> list:
         if not self._keys:
-            return list(tokens)
+            return tokens
         return [self._keys.get(i, t) for i, t in enumerate(tokens)]
 
     def chunk(self, start: int, n: int, encode: Callable[[torch.Tensor], torch.Tensor]):

@@ -20,7 +20,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from horizon.chat import ChatTemplate, HistoryIssue, validate_history
-from horizon.chat.images import WHERE, ImageError, ImageLimits, decode_conversation, render_with_images
+from horizon.chat.images import ImageError, ImageLimits, decode_conversation, image_parts, render_with_images
 from horizon.engine import ConstraintSpec, Engine, Request, SamplingParams
 from horizon.engine.engine import EventStream
 from horizon.model.vision import num_image_tokens
@@ -91,13 +91,9 @@ class ModelService:
     def decode_images(self, conv: Conversation) -> dict[int, Any]:
         """Every image part's pixels (id of the part -> RGB uint8 [H, W, 3]); a bad image is a 400 naming it."""
         if self.engine.model.vision is None:
-            for i, m in enumerate(conv.messages):
-                content = m.get("content") if isinstance(m, dict) else None
-                for j, part in enumerate(content if isinstance(content, list) else []):
-                    if isinstance(part, dict) and part.get("type") in ("image_url", "image"):
-                        where = part.get(WHERE) or f"messages[{i}].content[{j}]"
-                        raise ServiceError("invalid_request", f"{where}: this model takes text only (it has no "
-                                                              f"vision encoder)", param=where)
+            for where, _ in image_parts(conv.messages):
+                raise ServiceError("invalid_request", f"{where}: this model takes text only (it has no vision "
+                                                      f"encoder)", param=where)
             return {}
         try:
             return decode_conversation(conv.messages, self.image_limits)

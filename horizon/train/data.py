@@ -15,6 +15,7 @@ placeholders each takes comes from the model's vision config.
 
 from __future__ import annotations
 
+import functools
 import json
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -48,22 +49,25 @@ def render_chat(tokenizer, cfg: ModelConfig, messages: list[dict[str, Any]], too
     return Example(out.ids, out.assistant_mask, images, source)
 
 
-def tool_specs(names: list[str], seed: int | None = None) -> list[dict[str, Any]] | None:
+def tool_specs(names: list[str]) -> list[dict[str, Any]] | None:
     """The OpenAI-style definitions of the named toolsets' tools (what a task's prompt offers)."""
-    if not names:
-        return None
+    return list(_tool_specs(tuple(names))) if names else None
+
+
+@functools.lru_cache(maxsize=64)
+def _tool_specs(names: tuple[str, ...]) -> tuple[dict[str, Any], ...]:
     import tempfile
 
     from horizon.agent.registry import make_tools
 
     with tempfile.TemporaryDirectory() as root:  # files/shell need a root only to be built
-        return [{"type": "function", "function": t.spec()} for t in make_tools(names, root, seed=seed)]
+        return tuple({"type": "function", "function": t.spec()} for t in make_tools(list(names), root))
 
 
 def task_example(tokenizer, cfg: ModelConfig, task, tier: str = "low") -> Example:
     """A task's prompt + reference trajectory; rendered under `tier` when the trajectory thinks."""
     thinks = any(m.get("role") == "assistant" and m.get("reasoning_content") is not None for m in task.target)
-    return render_chat(tokenizer, cfg, task.chat(), tool_specs(task.tools, task.seed),
+    return render_chat(tokenizer, cfg, task.chat(), tool_specs(task.tools),
                        tier if thinks else None, source=task.domain)
 
 

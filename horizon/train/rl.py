@@ -87,13 +87,12 @@ class RLTrainer(Trainer):
             raise ValueError(f"ratios must be one value >= 0 per domain {rl.domains} with a positive sum, got {ratios}")
         self.ratios = dict(zip(rl.domains, map(float, ratios), strict=True))
         self.accuracy = {name: 0.5 for name in rl.domains}  # running, for adaptive ratios
-        self.generator = torch.Generator().manual_seed(config.seed)  # saved as the trainer's "mixture" state
-        self.mixture = self  # Trainer.save/restore keep self.mixture.generator
+        # this trainer is its own "mixture": Trainer.save/restore keep self.mixture.generator
+        self.generator = torch.Generator().manual_seed(config.seed)
         self.normalizer = RewardNormalizer()
         self.next_seed = config.seed * 1_000_003
         config.stage = "sparse" if rl.indexer_loss else "sft"
         super().__init__(model, tokenizer, self, config, out_dir, generation_config)
-        self.mixture = self
         self.engine = engine
         self.client = EngineClient(engine, tokenizer)
         self.budgets = engine.budgets
@@ -169,7 +168,7 @@ class RLTrainer(Trainer):
             for r in group:
                 r["advantage"] = (r["norm"] - float(values.mean())) / (std + 1e-6) if std > 1e-8 else 0.0
         examples = [render_chat(self.tokenizer, model.config, r["result"].messages,
-                                tool_specs(r["task"].tools, r["task"].seed), r["tier"]) for r in runs]
+                                tool_specs(r["task"].tools), r["tier"]) for r in runs]
         batch = collate(examples, cfg.max_len, model.config, self.tokenizer.special.image)
         lr = self.begin_update()
         model.train()
