@@ -31,18 +31,27 @@ test: $(STAMP)
 	$(VENV)/bin/ruff check horizon tests bench
 	$(PY) -m pytest
 
-# The bundled model horizon-tiny: supervised training of the `mini` preset on the task domains (~60 min on
-# 2 CPU cores), then the DSA indexer warm-up (dense attention, only the indexers learn), then stored with
-# MXFP4 experts where `horizon serve` finds it.
-BUNDLE_SFT := --preset mini --domains arithmetic,passkey-short,terminal,convert,image --per-domain 2000 \
-	--steps 1400 --batch-size 8 --max-len 768 --lr 3e-3 --warmup 50 --save-every 100
-BUNDLE_WARMUP := --stage indexer-warmup --domains passkey-short,arithmetic,terminal,convert --per-domain 200 \
-	--steps 60 --batch-size 8 --max-len 768 --lr 3e-3 --warmup 5 --save-every 60 --thinking-budgets 128,512,2048
+# The bundled model horizon-tiny, in four stages (DESIGN 1.2; ~2 h on 2 CPU cores):
+#   1. sft: the `mini` preset from random weights on the agent domains (attention as configured);
+#   2. dense: continued with dense attention and the `recall` copying curriculum added; this is where
+#      copying (the digits of a pass key, an expression, a tool result) is learned;
+#   3. indexer-warmup: dense attention, only the DSA indexers learn the attention distribution;
+#   4. sparse: top-k selection on; the model adapts to it, the indexers keep learning;
+# then stored with MXFP4 experts where `horizon serve` finds it.
+BUNDLE_COMMON := --batch-size 8 --max-len 768 --per-domain 2000 --save-every 100
+BUNDLE_SFT := --preset mini --domains arithmetic,passkey-short,terminal,convert,image --steps 1000 --lr 3e-3 --warmup 50
+BUNDLE_DENSE := --stage dense --domains arithmetic,passkey-short,recall,terminal,convert,image --ratios 3,3,2,1,1,1 \
+	--steps 2000 --lr 2e-3 --warmup 50
+BUNDLE_WARMUP := --stage indexer-warmup --domains passkey-short,arithmetic,terminal,convert --steps 60 --lr 3e-3 --warmup 5
+BUNDLE_SPARSE := --stage sparse --domains arithmetic,passkey-short,recall,terminal,convert,image --ratios 3,3,2,1,1,1 \
+	--steps 200 --lr 5e-4 --warmup 10 --thinking-budgets 128,512,2048
 bundle: $(STAMP)
-	$(VENV)/bin/horizon train --out runs/horizon-tiny $(BUNDLE_SFT)
-	$(VENV)/bin/horizon train --out runs/horizon-tiny-iw --init runs/horizon-tiny/checkpoint $(BUNDLE_WARMUP)
+	$(VENV)/bin/horizon train --out runs/horizon-tiny $(BUNDLE_COMMON) $(BUNDLE_SFT)
+	$(VENV)/bin/horizon train --out runs/horizon-tiny-dense --init runs/horizon-tiny/checkpoint $(BUNDLE_COMMON) $(BUNDLE_DENSE)
+	$(VENV)/bin/horizon train --out runs/horizon-tiny-iw --init runs/horizon-tiny-dense/checkpoint $(BUNDLE_COMMON) $(BUNDLE_WARMUP)
+	$(VENV)/bin/horizon train --out runs/horizon-tiny-sparse --init runs/horizon-tiny-iw/checkpoint $(BUNDLE_COMMON) $(BUNDLE_SPARSE)
 	rm -rf horizon/assets/horizon-tiny
-	$(VENV)/bin/horizon quantize runs/horizon-tiny-iw/checkpoint horizon/assets/horizon-tiny
+	$(VENV)/bin/horizon quantize runs/horizon-tiny-sparse/checkpoint horizon/assets/horizon-tiny
 
 bench: $(STAMP)
 	$(PY) bench/forward.py

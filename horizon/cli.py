@@ -309,7 +309,12 @@ def _cmd_train(args: argparse.Namespace) -> int:
         if not resume.exists():
             raise ValueError(f"--resume: {resume} does not exist (nothing to resume in {out})")
         meta = json.loads(resume.read_text())
-        if meta.get("sources") not in (None, sources_spec):
+        saved = meta.get("sources")
+        if saved and args.domains is None and args.data is None:  # no data options: the run's own
+            sources_spec = saved
+            for key, value in saved.items():
+                setattr(args, key, value)
+        if saved not in (None, sources_spec):
             raise ValueError(f"--resume: the data options differ from the run being resumed: {meta['sources']}")
         config = config_from_dict({**meta["config"], **({"steps": args.steps} if args.steps else {})})
         model = load(out / "checkpoint", dtype=torch.float32)
@@ -407,11 +412,13 @@ def _cmd_rl(args: argparse.Namespace) -> int:
 
 
 def _cmd_eval(args: argparse.Namespace) -> int:
+    import torch
+
     from horizon.checkpoint import open_model
     from horizon.engine import Engine, EngineConfig
     from horizon.eval import evaluate, set_selection
 
-    bundle = open_model(args.model)
+    bundle = open_model(args.model, dtype=getattr(torch, args.dtype) if args.dtype else None)
     set_selection(bundle.model, args.selection)
     engine = Engine(bundle.model, bundle.tokenizer, EngineConfig(max_num_seqs=args.batch, max_batch_tokens=2048),
                     generation_config=bundle.generation_config)
@@ -424,14 +431,19 @@ def _cmd_eval(args: argparse.Namespace) -> int:
             done.add(name)
             print(f"{name}: {total} tasks done", file=sys.stderr, flush=True)
 
+    records: list | None = [] if args.records else None
     res = evaluate(engine, bundle.tokenizer, domains, args.n, tier, args.max_steps, args.max_tokens, args.seed,
-                   progress)
-    report = {"model": bundle.source, "tier": args.tier, "n": args.n, "selection": args.selection, "domains": res}
+                   progress, records)
+    if records is not None:
+        with open(args.records, "w") as f:
+            f.writelines(json.dumps(r) + "\n" for r in records)
+    report = {"model": bundle.source, "tier": args.tier, "n": args.n, "selection": args.selection,
+              "dtype": str(next(bundle.model.parameters()).dtype).removeprefix("torch."), "domains": res}
     if args.json:
         print(json.dumps(report))
         return 0
-    print(f"horizon eval: {bundle.source}, tier {args.tier}, {args.n} held-out tasks per domain, "
-          f"DSA selection {args.selection}")
+    print(f"horizon eval: {bundle.source} ({report['dtype']}), tier {args.tier}, {args.n} held-out tasks per "
+          f"domain, DSA selection {args.selection}")
     print(f"{'domain':<12} {'accuracy':>9} {'95% CI':>15} {'tool-call validity':>19} {'thinking tokens':>16}")
     for name, r in res.items():
         validity = "-" if r["tool_call_validity"] is None else f"{r['tool_call_validity']:.3f} ({r['tool_calls']})"
@@ -560,8 +572,9 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--save-every", type=int, default=100)
     p.add_argument("--log-every", type=int, default=10)
-    p.add_argument("--stage", choices=["sft", "indexer-warmup", "sparse"], default="sft",
-                   help="sft; indexer-warmup (dense attention, only the DSA indexers learn); sparse (top-k on)")
+    p.add_argument("--stage", choices=["sft", "dense", "indexer-warmup", "sparse"], default="sft",
+                   help="sft; dense (sft with dense attention: the base the indexer stages start from); "
+                        "indexer-warmup (dense attention, only the DSA indexers learn); sparse (top-k on)")
     p.add_argument("--resume", action="store_true", help="continue the run in --out from its checkpoint")
     p.add_argument("--no-progress", action="store_true")
     p.set_defaults(func=_cmd_train)
@@ -602,6 +615,10 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--seed", type=int, default=0, help="first held-out seed")
     p.add_argument("--selection", choices=["indexer", "recent"], default="indexer",
                    help="DSA selection: the learned indexer, or the most recent index_topk positions (ablation)")
+    p.add_argument("--dtype", choices=["float32", "bfloat16"], default=None,
+                   help="compute dtype of the non-expert weights (default: the checkpoint's)")
+    p.add_argument("--records", default=None, metavar="JSONL",
+                   help="write one line per task: id, reward, answer, reference and the whole conversation")
     p.add_argument("--json", action="store_true")
     p.set_defaults(func=_cmd_eval)
     return parser

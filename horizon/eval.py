@@ -94,7 +94,11 @@ def reward_of(domain, task, tools: list, answer: str) -> float:
 
 
 def evaluate(engine, tokenizer, domains=DEFAULT_DOMAINS, n: int = 100, tier: str | None = "low",
-             max_steps: int = 6, max_tokens: int = 512, seed: int = 0, progress=None) -> dict[str, Any]:
+             max_steps: int = 6, max_tokens: int = 512, seed: int = 0, progress=None,
+             records: list[dict[str, Any]] | None = None) -> dict[str, Any]:
+    """Per domain: accuracy (Wilson 95% interval), tool-call validity, thinking tokens, steps. With
+    ``records``, one dict per task is appended to it (id, reward, answer, the whole conversation) for
+    looking at what went wrong."""
     client = EngineClient(engine, tokenizer)
     out: dict[str, Any] = {}
     for name in domains:
@@ -119,6 +123,9 @@ def evaluate(engine, tokenizer, domains=DEFAULT_DOMAINS, n: int = 100, tier: str
                         calls += 1
                         valid += valid_call(c, offered)
                 rewards.append(reward_of(domain, task, tools, result.answer))
+                if records is not None:
+                    records.append({"domain": name, "id": task.id, "reward": rewards[-1], "answer": result.answer,
+                                    "reference": task.answer, "messages": result.messages})
                 thinking.append(result.usage.reasoning_tokens)
                 steps.append(result.steps)
         lo, hi = wilson(sum(rewards), len(rewards))

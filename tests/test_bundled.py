@@ -1,5 +1,5 @@
-"""The bundled model: the trained horizon-tiny ships in the package, MXFP4 experts, under 30 MB, and is
-what `horizon serve` serves by default."""
+"""The bundled model: the trained horizon-tiny ships in the package, MXFP4 experts, under 30 MB, is
+what `horizon serve` serves by default, and does its tasks."""
 
 from __future__ import annotations
 
@@ -28,3 +28,18 @@ def test_the_bundled_model_is_the_trained_horizon_tiny_with_mxfp4_experts():
 def test_serve_defaults_to_it(tmp_path):
     _, model_id, source = _build_app(None, signature_key_file=str(tmp_path / "key"))
     assert (model_id, source) == ("horizon-tiny", "bundled:horizon-tiny")
+
+
+def test_it_does_its_tasks():
+    """The shipped weights answer held-out tasks through the whole stack (engine, agent loop, tools):
+    the margins sit well under what `horizon eval --n 100` measures (README), so only a broken model,
+    engine or quantizer fails this, not a different CPU's rounding."""
+    from horizon.engine import Engine, EngineConfig
+    from horizon.eval import evaluate
+
+    bundle = open_model()
+    engine = Engine(bundle.model, bundle.tokenizer, EngineConfig(max_num_seqs=16, max_batch_tokens=2048),
+                    generation_config=bundle.generation_config)
+    res = evaluate(engine, bundle.tokenizer, ["passkey-short", "arithmetic"], n=16, tier="low", max_steps=3)
+    assert res["passkey-short"]["accuracy"] >= 0.75, res
+    assert res["arithmetic"]["accuracy"] >= 0.4 and res["arithmetic"]["tool_call_validity"] >= 0.9, res

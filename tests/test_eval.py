@@ -47,3 +47,18 @@ def test_eval_command_reports_every_domain(capsys):
         assert r["n"] == 2 and 0 <= r["accuracy"] <= 1 and 0 <= r["ci95"][0] <= r["ci95"][1] <= 1
         assert r["tool_call_validity"] is None or 0 <= r["tool_call_validity"] <= 1
         assert r["thinking_tokens"] >= 0
+
+
+def test_eval_runs_in_bf16_and_records_every_task(capsys, tmp_path):
+    records = tmp_path / "records.jsonl"
+    args = ["eval", "--model", "tiny-random", "--domains", "arithmetic,recall", "--n", "2", "--max-tokens", "16",
+            "--max-steps", "1", "--json", "--records", str(records)]
+    assert main([*args, "--dtype", "bfloat16"]) == 0
+    report = json.loads(capsys.readouterr().out)
+    assert report["dtype"] == "bfloat16" and report["domains"]["arithmetic"]["n"] == 2
+    rows = [json.loads(line) for line in records.read_text().splitlines()]
+    assert [r["domain"] for r in rows] == ["arithmetic"] * 2 + ["recall"] * 2
+    for r in rows:  # the conversation starts with the task's prompt; the reward is the one counted
+        assert r["messages"][0]["role"] == "user" and r["id"].startswith(r["domain"] + "-heldout-")
+        assert r["reward"] in (0.0, 1.0) and isinstance(r["reference"], str)
+    assert sum(r["reward"] for r in rows[:2]) / 2 == report["domains"]["arithmetic"]["accuracy"]

@@ -1,4 +1,4 @@
-"""The arithmetic, passkey, terminal and convert task domains: determinism, split disjointness, rewards,
+"""The arithmetic, passkey, terminal, convert and recall task domains: determinism, split disjointness, rewards,
 rendering through the chat template, tool results reproduced by re-running the target's calls, and the
 terminal domain's end-state reward."""
 
@@ -17,6 +17,7 @@ from horizon.tasks import (
     ArithmeticDomain,
     ConvertDomain,
     PasskeyDomain,
+    RecallDomain,
     Task,
     TerminalDomain,
     check_disjoint,
@@ -27,12 +28,13 @@ from horizon.tasks import (
 from horizon.tasks.arithmetic import expression_heldout
 from horizon.tasks.convert import FIELDS, WORDS
 from horizon.tasks.passkey import key_heldout, needle
+from horizon.tasks.recall import answer_heldout
 from horizon.tasks.terminal import VOCAB, tree_heldout
 
 N = 200
-NAMES = ("arithmetic", "passkey", "terminal", "convert")
+NAMES = ("arithmetic", "passkey", "terminal", "convert", "recall")
 CLASSES = {"arithmetic": ArithmeticDomain, "passkey": PasskeyDomain, "terminal": TerminalDomain,
-           "convert": ConvertDomain}
+           "convert": ConvertDomain, "recall": RecallDomain}
 
 
 @pytest.fixture(scope="module")
@@ -102,6 +104,7 @@ def test_splits_follow_the_documented_partitions(splits):
         assert all(expression_heldout(t.meta["expression"]) == held for t in splits["arithmetic"][split])
         assert all(key_heldout(t.meta["key"]) == held for t in splits["passkey"][split])
         assert all(tree_heldout(t.meta["tree_seed"]) == held for t in splits["terminal"][split])
+        assert all(answer_heldout(t.answer) == held for t in splits["recall"][split])
         fields = {f for f, _ in FIELDS[split]}
         for t in splits["convert"][split]:
             assert set(t.meta["columns"]) <= fields and all(set(r) <= fields for r in t.meta["records"])
@@ -122,6 +125,8 @@ def test_splits_follow_the_documented_partitions(splits):
 def wrong_answer(task: Task) -> str:
     if task.domain in ("arithmetic", "passkey"):
         return str(int(task.answer) + 1)
+    if task.domain == "recall":  # one digit changed (codes may start with 0: not an integer)
+        return task.answer[:-1] + str((int(task.answer[-1]) + 1) % 10)
     if task.domain == "terminal":
         return str(task.meta["count"] + 1) if task.meta["kind"] == "count" else "src/nowhere/missing.py"
     records = [dict(r) for r in task.meta["records"]]
@@ -307,3 +312,19 @@ def test_terminal_state_reward_checks_the_content():
     fs = task_fs(report)
     fs.write("/" + report.meta["path"], f"{report.meta['count'] + 1}\n")
     assert dom.reward_state(report, fs) == 0.0
+
+
+def test_recall_tasks_hold_their_answer(splits):
+    dom = get_domain("recall")
+    kinds = set()
+    for t in every(splits, "recall"):
+        prompt = t.messages[0]["content"]
+        kinds.add(t.meta["kind"])
+        if t.meta["kind"] == "repeat":  # the prompt ends with exactly the codes to repeat
+            assert prompt.endswith(": " + t.answer)
+            assert dom.reward(t, t.answer + " 1") == 0.0  # an extra code is wrong
+        else:  # the asked-for name's line holds the code, and only that line
+            name = prompt.rsplit("code of ", 1)[1].rstrip("?")
+            assert f"\n{name}: {t.answer}\n" in "\n" + prompt
+            assert dom.reward(t, f"The code is {t.answer}.") == 1.0
+    assert kinds == {"repeat", "lookup"}

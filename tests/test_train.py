@@ -111,6 +111,12 @@ def test_train_command_runs_and_resumes(tmp_path, capsys):
     assert main([*args, "--steps", "4", "--resume"]) == 0
     state = json.loads((out / "checkpoint" / "trainer_state" / "state.json").read_text())
     assert state["step"] == 4 and len(state["log"]) == 4
+    # without data options a resume takes the run's own; different ones are refused, naming the saved ones
+    assert main(["train", "--out", str(out), "--resume", "--steps", "6", "--no-progress"]) == 0
+    assert json.loads((out / "checkpoint" / "trainer_state" / "state.json").read_text())["step"] == 6
+    other = write_jsonl(tmp_path / "other.jsonl", chats(3))
+    assert main(["train", "--out", str(out), "--resume", "--data", other, "--steps", "8", "--no-progress"]) == 2
+    assert "data options differ" in capsys.readouterr().err
     assert main(["train", "--out", str(tmp_path / "x"), "--no-progress"]) == 2
     assert "nothing to train on" in capsys.readouterr().err
 
@@ -141,3 +147,26 @@ def test_indexer_warmup_trains_only_the_indexer_toward_the_dense_attention(tmp_p
     entry = sparse.step()
     assert entry["loss"] == pytest.approx(entry["lm_loss"] + entry["indexer_kl"], rel=1e-5)
     assert all(p.requires_grad for p in model.parameters())
+
+
+def test_dense_stage_trains_everything_with_dense_attention(tmp_path):
+    from horizon.model.dsa import GatedDSA
+
+    model = tiny_model()
+    examples = [task_example(TOK, model.config, t) for t in make_split("passkey-short", "train", 4)]
+    trainer = Trainer(model, TOK, Mixture({"passkey": examples}),
+                      TrainConfig(steps=1, batch_size=4, max_len=512, stage="dense"), tmp_path)
+    dsa = [m for m in model.modules() if isinstance(m, GatedDSA)]
+    assert dsa and all(m.force_dense and m.indexer_training is None for m in dsa)
+    assert all(p.requires_grad for p in model.parameters())
+    batch = collate(examples, 512, model.config, TOK.special.image)
+    assert batch["lengths"].max() > model.config.index_topk  # long enough that sparse attention would differ
+    with torch.no_grad():
+        dense = trainer.loss(batch)[0].item()
+        for m in dsa:  # the same prompts under the configured (sparse) attention give another loss
+            m.force_dense = False
+        sparse = trainer.loss(batch)[0].item()
+        for m in dsa:
+            m.indexer.topk = 10**6  # every position selected: dense by construction
+        assert trainer.loss(batch)[0].item() == pytest.approx(dense, rel=1e-5)
+    assert sparse != pytest.approx(dense, rel=1e-5)

@@ -9,7 +9,7 @@
     reward = get_domain(task.domain).reward(task, completion)   # in [0, 1]
 
 Files: ``base`` (Task, Domain, registry, splits, chat builders, answer parsing), one file per domain
-(``image``, ``arithmetic``, ``passkey``, ``terminal``, ``convert``). Adding a domain: a module with a
+(``image``, ``arithmetic``, ``passkey``, ``terminal``, ``convert``, ``recall``). Adding a domain: a module with a
 ``Domain`` subclass and one ``register`` line below.
 """
 
@@ -28,6 +28,7 @@ from horizon.tasks.base import (
 from horizon.tasks.convert import ConvertDomain
 from horizon.tasks.image import ImageDomain
 from horizon.tasks.passkey import PasskeyDomain
+from horizon.tasks.recall import RecallDomain
 from horizon.tasks.terminal import TerminalDomain, task_fs
 
 register(ImageDomain())
@@ -37,6 +38,7 @@ register(PasskeyDomain())
 register(PasskeyDomain(min_words=60, max_words=140, name="passkey-short"))
 register(TerminalDomain())
 register(ConvertDomain())
+register(RecallDomain())  # the copying curriculum the bundled model starts with
 
 __all__ = [
     "DOMAINS",
@@ -46,6 +48,7 @@ __all__ = [
     "Domain",
     "ImageDomain",
     "PasskeyDomain",
+    "RecallDomain",
     "Task",
     "TerminalDomain",
     "check_disjoint",

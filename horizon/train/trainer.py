@@ -19,6 +19,7 @@ from __future__ import annotations
 
 import json
 import math
+import sys
 import time
 from dataclasses import asdict, dataclass, fields
 from pathlib import Path
@@ -31,7 +32,7 @@ from safetensors.torch import load_file, save_file
 from horizon.model.moe import balance_moe_bias
 from horizon.train.data import Mixture, collate
 
-STAGES = ("sft", "indexer-warmup", "sparse")
+STAGES = ("sft", "dense", "indexer-warmup", "sparse")
 TRAINER_STATE = "trainer_state"  # a subfolder: the checkpoint folder itself stays a plain model checkpoint
 
 
@@ -79,6 +80,9 @@ def set_stage(model, stage: str) -> list:
     """Put the model in a training stage (DESIGN 1.2); returns its Gated DSA layers.
 
     sft: everything trains, attention as configured (sparse past index_topk).
+    dense: everything trains, attention dense at every length (the dense base model that the indexer
+    stages start from, as DeepSeek-V3.2 starts from a densely trained model: an untrained indexer's
+    top-k is an arbitrary subset, and the attention layers would learn around it).
     indexer-warmup: dense attention; every parameter but the indexers' frozen; the indexers learn the
     head-summed dense attention distribution (KL).
     sparse: top-k selection on; the model trains on the LM loss, the indexers on the KL over what they
@@ -87,13 +91,13 @@ def set_stage(model, stage: str) -> list:
     from horizon.model.dsa import GatedDSA
 
     dsa = [m for m in model.modules() if isinstance(m, GatedDSA) and m.indexer is not None]
-    if stage != "sft" and not dsa:
+    if stage not in ("sft", "dense") and not dsa:
         raise ValueError(f"stage {stage!r} trains the DSA indexers, but this model has none")
     for name, p in model.named_parameters():
         p.requires_grad_(stage != "indexer-warmup" or ".indexer." in name)
     for m in dsa:
-        m.indexer_training = {"sft": None, "indexer-warmup": "dense", "sparse": "sparse"}[stage]
-        m.force_dense = stage == "indexer-warmup"
+        m.indexer_training = {"sft": None, "dense": None, "indexer-warmup": "dense", "sparse": "sparse"}[stage]
+        m.force_dense = stage in ("dense", "indexer-warmup")
     return dsa
 
 
@@ -134,7 +138,7 @@ class Trainer:
         lm = F.cross_entropy(logits.float().flatten(0, 1), targets.flatten(), ignore_index=-100, reduction="sum")
         lm = lm / max(n, 1)
         self.parts = {"lm_loss": lm.item()}
-        if self.config.stage == "sft":
+        if self.config.stage in ("sft", "dense"):
             return lm, n
         indexer = sum(m.indexer_loss for m in self.dsa if m.indexer_loss is not None) / max(1, len(self.dsa))
         stats = [m.indexer_stats for m in self.dsa if m.indexer_stats]
@@ -199,6 +203,10 @@ class Trainer:
                 entry = self.step()
                 if bar is not None:
                     bar.update(task, completed=self.step_idx, loss=f"{entry['loss']:.3f}")
+                elif self.step_idx % cfg.log_every == 0 or self.step_idx == cfg.steps:  # a line for logs
+                    print(f"step {self.step_idx}/{cfg.steps} " + " ".join(
+                        f"{k} {v:.4g}" for k, v in entry.items() if k != "step" and isinstance(v, float)),
+                        file=sys.stderr, flush=True)
                 if self.step_idx % cfg.save_every == 0 or self.step_idx == cfg.steps:
                     self.save()
         finally:
