@@ -5,37 +5,33 @@ choice; the choices for `2.8t` and why are written next to them. `horizon plan -
 counts the parameters from a meta-device model built from exactly this dictionary.
 """
 
+# Runs the whole test suite on 2 CPU cores in seconds. Six layers give two Gated DSA layers
+# (4 and 6) among four KDA layers; index_topk=16 is far below the test prompts so the sparse
+# selection is exercised; 8 index heads (DESIGN's floor); group-limited routing is on.
+_TINY = dict(
+    vocab_size=4096, hidden_size=64, num_layers=6, first_k_dense=1, intermediate_size=128,
+    max_position_embeddings=8192,
+    kda_num_heads=2, kda_head_dim=32,
+    num_heads=4, q_lora_rank=32, kv_lora_rank=32, qk_nope_head_dim=16, qk_rope_head_dim=8,
+    v_head_dim=16, dsa_gate_rank=16,
+    index_n_heads=8, index_head_dim=16, index_topk=16,
+    n_routed_experts=8, num_experts_per_tok=2, moe_intermediate_size=32, n_shared_experts=1,
+    n_group=2, topk_group=1, routed_scaling_factor=1.0,
+    # a 2-layer ViT: 8-px patches merged 2x2, so one image token per 16x16 pixels, at most 64
+    vision_layers=2, vision_hidden_size=64, vision_num_heads=4, vision_intermediate_size=128,
+    vision_patch_size=8, vision_merge=2, vision_max_tokens=64,
+)
+
 PRESETS: dict[str, dict] = {
-    # Runs the whole test suite on 2 CPU cores in seconds. Six layers give two Gated DSA layers
-    # (4 and 6) among four KDA layers; index_topk=16 is far below the test prompts so the sparse
-    # selection is exercised; 8 index heads (DESIGN's floor); group-limited routing is on.
-    "tiny": dict(
-        vocab_size=4096, hidden_size=64, num_layers=6, first_k_dense=1, intermediate_size=128,
-        max_position_embeddings=8192,
-        kda_num_heads=2, kda_head_dim=32,
-        num_heads=4, q_lora_rank=32, kv_lora_rank=32, qk_nope_head_dim=16, qk_rope_head_dim=8,
-        v_head_dim=16, dsa_gate_rank=16,
-        index_n_heads=8, index_head_dim=16, index_topk=16,
-        n_routed_experts=8, num_experts_per_tok=2, moe_intermediate_size=32, n_shared_experts=1,
-        n_group=2, topk_group=1, routed_scaling_factor=1.0,
-        # a 2-layer ViT: 8-px patches merged 2x2, so one image token per 16x16 pixels, at most 64
-        vision_layers=2, vision_hidden_size=64, vision_num_heads=4, vision_intermediate_size=128,
-        vision_patch_size=8, vision_merge=2, vision_max_tokens=64,
-    ),
+    "tiny": _TINY,
     # The bundled trained model (horizon-tiny): tiny's six-layer schedule, twice the width, 4.2M
     # parameters, trainable on 2 CPU cores in under an hour; index_topk 64, so a 256-token prompt
     # already runs sparse (the passkey task is measured at 4x index_topk).
     "mini": dict(
-        vocab_size=4096, hidden_size=128, num_layers=6, first_k_dense=1, intermediate_size=512,
-        max_position_embeddings=4096,
-        kda_num_heads=2, kda_head_dim=64,
-        num_heads=4, q_lora_rank=64, kv_lora_rank=64, qk_nope_head_dim=32, qk_rope_head_dim=16,
-        v_head_dim=32, dsa_gate_rank=32,
-        index_n_heads=8, index_head_dim=32, index_topk=64,
-        n_routed_experts=8, num_experts_per_tok=2, moe_intermediate_size=128, n_shared_experts=1,
-        n_group=2, topk_group=1, routed_scaling_factor=1.0,
-        vision_layers=2, vision_hidden_size=64, vision_num_heads=4, vision_intermediate_size=128,
-        vision_patch_size=8, vision_merge=2, vision_max_tokens=64,
+        _TINY,
+        hidden_size=128, intermediate_size=512, max_position_embeddings=4096, kda_head_dim=64,
+        q_lora_rank=64, kv_lora_rank=64, qk_nope_head_dim=32, qk_rope_head_dim=16, v_head_dim=32,
+        dsa_gate_rank=32, index_head_dim=32, index_topk=64, moe_intermediate_size=128,
     ),
     # A CPU benchmark size: ~0.6B total / ~0.1B active. Full-size top_k (2048), so contexts above
     # 2K really run sparse.

@@ -33,6 +33,7 @@ from horizon.model.moe import balance_moe_bias
 from horizon.train.data import Mixture, collate
 
 STAGES = ("sft", "dense", "indexer-warmup", "sparse")
+INDEXER_STAGES = ("indexer-warmup", "sparse")  # the stages that train the DSA indexers (the others: LM loss only)
 TRAINER_STATE = "trainer_state"  # a subfolder: the checkpoint folder itself stays a plain model checkpoint
 
 
@@ -91,7 +92,7 @@ def set_stage(model, stage: str) -> list:
     from horizon.model.dsa import GatedDSA
 
     dsa = [m for m in model.modules() if isinstance(m, GatedDSA) and m.indexer is not None]
-    if stage not in ("sft", "dense") and not dsa:
+    if stage in INDEXER_STAGES and not dsa:
         raise ValueError(f"stage {stage!r} trains the DSA indexers, but this model has none")
     for name, p in model.named_parameters():
         p.requires_grad_(stage != "indexer-warmup" or ".indexer." in name)
@@ -138,7 +139,7 @@ class Trainer:
         lm = F.cross_entropy(logits.float().flatten(0, 1), targets.flatten(), ignore_index=-100, reduction="sum")
         lm = lm / max(n, 1)
         self.parts = {"lm_loss": lm.item()}
-        if self.config.stage in ("sft", "dense"):
+        if self.config.stage not in INDEXER_STAGES:
             return lm, n
         indexer = sum(m.indexer_loss for m in self.dsa if m.indexer_loss is not None) / max(1, len(self.dsa))
         stats = [m.indexer_stats for m in self.dsa if m.indexer_stats]
