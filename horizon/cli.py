@@ -16,6 +16,7 @@ from __future__ import annotations
 import argparse
 import json
 import sys
+from dataclasses import asdict
 
 from horizon.config import ModelConfig
 from horizon.presets import PRESETS
@@ -295,7 +296,7 @@ def _cmd_train(args: argparse.Namespace) -> int:
     import torch
 
     from horizon.chat import load_tokenizer
-    from horizon.checkpoint import load, load_generation_config
+    from horizon.checkpoint import load, load_generation_config, open_model
     from horizon.model import HorizonForCausalLM
     from horizon.tasks import get_domain, make_split
     from horizon.train import Mixture, TrainConfig, Trainer, read_jsonl, task_example
@@ -324,9 +325,10 @@ def _cmd_train(args: argparse.Namespace) -> int:
         config = TrainConfig(steps=args.steps or 200, batch_size=args.batch_size, max_len=args.max_len, lr=args.lr,
                              warmup_steps=args.warmup, bf16=args.bf16, seed=args.seed, save_every=args.save_every,
                              log_every=args.log_every, stage=args.stage)
-        tokenizer = load_tokenizer(args.init) if args.init else load_tokenizer()
-        if args.init:
-            model, generation_config = load(args.init, dtype=torch.float32), load_generation_config(args.init)
+        tokenizer = load_tokenizer()
+        if args.init:  # a checkpoint folder, or "bundled" (the shipped horizon-tiny)
+            bundle = open_model(args.init, dtype=torch.float32)
+            model, tokenizer, generation_config = bundle.model, bundle.tokenizer, bundle.generation_config
         else:
             torch.manual_seed(args.seed)
             model, generation_config = HorizonForCausalLM(ModelConfig.preset(args.preset).replace(
@@ -374,8 +376,7 @@ def _cmd_rl(args: argparse.Namespace) -> int:
 
     import torch
 
-    from horizon.chat import load_tokenizer
-    from horizon.checkpoint import load, load_generation_config
+    from horizon.checkpoint import open_model
     from horizon.engine import Engine, EngineConfig
     from horizon.train.rl import RLConfig, RLTrainer
     from horizon.train.trainer import TRAINER_STATE, TrainConfig, config_from_dict
@@ -385,20 +386,23 @@ def _cmd_rl(args: argparse.Namespace) -> int:
     source = out / "checkpoint" if args.resume else Path(args.init)
     if args.resume and not state.exists():
         raise ValueError(f"--resume: {state} does not exist (nothing to resume in {out})")
-    model = load(source, dtype=torch.float32)
-    tokenizer, generation_config = load_tokenizer(source), load_generation_config(source)
+    bundle = open_model(source, dtype=torch.float32)  # "bundled": the shipped horizon-tiny
+    model, tokenizer, generation_config = bundle.model, bundle.tokenizer, bundle.generation_config
     tiers = [None if t == "none" else t for t in args.tiers.split(",")]
     rl = RLConfig(domains=args.domains.split(","), ratios=[float(r) for r in args.ratios.split(",")]
                   if args.ratios else None, adaptive=args.adaptive, prompts_per_step=args.prompts,
                   group_size=args.group, tiers=tiers, thinking_cost=args.thinking_cost, kl_coef=args.kl,
                   temperature=args.temperature, max_episode_steps=args.episode_steps, max_tokens=args.max_tokens,
-                  indexer_loss=not args.no_indexer_loss)
-    if args.resume:
-        config = config_from_dict({**json.loads(state.read_text())["config"],
-                                   **({"steps": args.steps} if args.steps else {})})
+                  indexer_loss=not args.no_indexer_loss, group_std=args.group_std, clip=args.clip,
+                  micro_batch=args.micro_batch)
+    if args.resume:  # the run's own settings; only --steps moves
+        meta = json.loads(state.read_text())
+        config = config_from_dict({**meta["config"], **({"steps": args.steps} if args.steps else {})})
+        rl = RLConfig(**(meta.get("extra") or {}).get("rl", asdict(rl)))
     else:
         config = TrainConfig(steps=args.steps or 100, lr=args.lr, warmup_steps=args.warmup, seed=args.seed,
-                             save_every=args.save_every, max_len=args.max_len, weight_decay=0.0)
+                             save_every=args.save_every, log_every=args.log_every, max_len=args.max_len,
+                             weight_decay=0.0)
     engine = Engine(model, tokenizer, EngineConfig(max_num_seqs=min(64, args.prompts * args.group),
                                                    max_batch_tokens=4096), generation_config=generation_config)
     trainer = RLTrainer(model, tokenizer, engine, config, rl, out, generation_config)
@@ -450,6 +454,28 @@ def _cmd_eval(args: argparse.Namespace) -> int:
         lo, hi = r["ci95"]
         ci = f"[{lo:.3f}, {hi:.3f}]"
         print(f"{name:<12} {r['accuracy']:>9.3f} {ci:>15} {validity:>19} {r['thinking_tokens']:>16.1f}")
+    return 0
+
+
+def _cmd_compare(args: argparse.Namespace) -> int:
+    from horizon.eval import compare, read_records
+
+    res = compare(read_records(args.a), read_records(args.b))
+    if args.json:
+        print(json.dumps(res))
+        return 0
+    print(f"horizon compare: A = {args.a}, B = {args.b} (paired on the same held-out tasks; 95% intervals)")
+    print(f"{'domain':<14} {'n':>5} {'A':>7} {'B':>7} {'A - B':>7} {'95% CI':>17} {'normalised':>11} {'95% CI':>17}"
+          f" {'only A':>7} {'only B':>7}")
+    for name, d in res["domains"].items():
+        ci, nci = d["difference_ci95"], d["normalized_ci95"]
+        print(f"{name:<14} {d['n']:>5} {d['accuracy_a']:>7.3f} {d['accuracy_b']:>7.3f} {d['difference']:>+7.3f} "
+              f"{f'[{ci[0]:+.3f}, {ci[1]:+.3f}]':>17} {d['normalized_difference']:>+11.3f} "
+              f"{f'[{nci[0]:+.3f}, {nci[1]:+.3f}]':>17} {d['only_a']:>7} {d['only_b']:>7}")
+    lo, hi = res["mean_normalized_ci95"]
+    print(f"mean normalised reward, A - B: {res['mean_normalized_difference']:+.4f} [{lo:+.4f}, {hi:+.4f}]; "
+          f"A better: {'yes' if res['a_better'] else 'no'}; no domain lower beyond its interval: "
+          f"{'yes' if res['no_domain_lower'] else 'no'}")
     return 0
 
 
@@ -554,7 +580,8 @@ def build_parser() -> argparse.ArgumentParser:
     p = sub.add_parser("train", help="supervised training on task domains and/or your own chats (resumable)")
     p.add_argument("--out", required=True, help="run folder: checkpoint/, train_log.jsonl, train_curves.png")
     init = p.add_mutually_exclusive_group()
-    init.add_argument("--init", default=None, help="start from this checkpoint folder")
+    init.add_argument("--init", default=None,
+                      help="start from this checkpoint folder (\"bundled\": the shipped horizon-tiny)")
     init.add_argument("--preset", default="tiny", choices=list(PRESETS), help="or from random weights (default tiny)")
     p.add_argument("--domains", default=None, help="comma-separated task domains (horizon.tasks), e.g. image")
     p.add_argument("--data", default=None, help="a JSONL of chats: {\"messages\": [...], \"tools\"?, \"tier\"?}")
@@ -589,7 +616,8 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--prompts", type=int, default=4, help="tasks per step")
     p.add_argument("--group", type=int, default=4, help="rollouts per task (the GRPO group)")
     p.add_argument("--tiers", default="low", help="thinking tiers sampled per rollout, e.g. none,low,high")
-    p.add_argument("--thinking-cost", type=float, default=0.0, help="reward cost of a full thinking budget")
+    p.add_argument("--thinking-cost", type=float, default=0.0,
+                   help="cost of a whole thinking budget, in standard deviations of the domain's reward")
     p.add_argument("--kl", type=float, default=0.0, help="KL penalty to the initial policy (0: off)")
     p.add_argument("--lr", type=float, default=1e-4)
     p.add_argument("--warmup", type=int, default=5)
@@ -598,8 +626,13 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--max-tokens", type=int, default=256, help="tokens per model call")
     p.add_argument("--max-len", type=int, default=2048, help="tokens per rollout in the loss")
     p.add_argument("--no-indexer-loss", action="store_true", help="stop training the DSA indexers during RL")
+    p.add_argument("--group-std", action="store_true",
+                   help="divide advantages by the group's standard deviation too (the original GRPO)")
+    p.add_argument("--clip", type=float, default=5.0, help="advantages are clipped to +-CLIP")
+    p.add_argument("--micro-batch", type=int, default=8, help="sequences per forward/backward in an update")
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--save-every", type=int, default=25)
+    p.add_argument("--log-every", type=int, default=10, help="with --no-progress: a log line every N steps")
     p.add_argument("--resume", action="store_true")
     p.add_argument("--no-progress", action="store_true")
     p.set_defaults(func=_cmd_rl)
@@ -621,6 +654,12 @@ def build_parser() -> argparse.ArgumentParser:
                    help="write one line per task: id, reward, answer, reference and the whole conversation")
     p.add_argument("--json", action="store_true")
     p.set_defaults(func=_cmd_eval)
+
+    p = sub.add_parser("compare", help="two models' eval records on the same tasks: paired differences, 95%% CIs")
+    p.add_argument("a", help="records of model A (horizon eval --records)")
+    p.add_argument("b", help="records of model B, the baseline")
+    p.add_argument("--json", action="store_true")
+    p.set_defaults(func=_cmd_compare)
     return parser
 
 

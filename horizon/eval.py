@@ -9,6 +9,14 @@ constrained: tool-call validity measures the model.
 Per domain: `accuracy` (mean reward) with a 95% Wilson interval (`ci95`), `tool_call_validity`
 (calls that name an offered tool with a JSON-object argument matching its schema, over all calls;
 null when no call was made), `thinking_tokens` (mean per episode), mean steps, and the count.
+
+`compare(a, b)` (`horizon compare A.jsonl B.jsonl`) pairs two models' per-task records on the same
+held-out tasks. Per domain: both accuracies (Wilson), the paired difference A - B with its 95%
+interval, and the difference in normalised reward, (reward - mean) / std with the domain's mean and
+std over both models' records, so every domain counts in units of its own spread. Overall: the
+mean over domains of the normalised difference, with a 95% interval (normal approximation; the
+domains' samples are independent, so their variances add). Paired differences are much tighter
+than two separate intervals: most tasks are solved, or failed, by both models.
 """
 
 from __future__ import annotations
@@ -125,11 +133,90 @@ def evaluate(engine, tokenizer, domains=DEFAULT_DOMAINS, n: int = 100, tier: str
                 rewards.append(reward_of(domain, task, tools, result.answer))
                 if records is not None:
                     records.append({"domain": name, "id": task.id, "reward": rewards[-1], "answer": result.answer,
-                                    "reference": task.answer, "messages": result.messages})
+                                    "reference": task.answer, "thinking_tokens": result.usage.reasoning_tokens,
+                                    "steps": result.steps, "messages": result.messages})
                 thinking.append(result.usage.reasoning_tokens)
                 steps.append(result.steps)
         lo, hi = wilson(sum(rewards), len(rewards))
         out[name] = {"n": len(rewards), "accuracy": sum(rewards) / len(rewards), "ci95": [lo, hi],
                      "tool_call_validity": valid / calls if calls else None, "tool_calls": calls,
                      "thinking_tokens": sum(thinking) / len(thinking), "mean_steps": sum(steps) / len(steps)}
+    return out
+
+
+def _mean_var(xs: list[float]) -> tuple[float, float]:
+    """Mean and the variance of the mean (sample variance / n) of a list."""
+    n = len(xs)
+    m = sum(xs) / n
+    return m, (sum((x - m) ** 2 for x in xs) / (n - 1) / n if n > 1 else 0.0)
+
+
+def compare(a: list[dict[str, Any]], b: list[dict[str, Any]], z: float = 1.96) -> dict[str, Any]:
+    """Model A's eval records against model B's on the same tasks (paired by domain and task id).
+
+    ValueError when a domain's tasks differ between the two (the comparison would not be paired)."""
+    def by_domain(records):
+        out: dict[str, dict[str, dict]] = {}
+        for r in records:
+            out.setdefault(r["domain"], {})[r["id"]] = r
+        return out
+
+    da, db = by_domain(a), by_domain(b)
+    if set(da) != set(db):
+        raise ValueError(f"the records cover different domains: {sorted(da)} vs {sorted(db)}")
+    domains: dict[str, Any] = {}
+    total, total_var = 0.0, 0.0
+    for name in da:
+        ids = sorted(da[name])
+        if set(ids) != set(db[name]):
+            raise ValueError(f"{name}: the two records hold different tasks ({len(ids)} vs {len(db[name])}); "
+                             "evaluate both with the same --n and --seed")
+        ra = [float(da[name][i]["reward"]) for i in ids]
+        rb = [float(db[name][i]["reward"]) for i in ids]
+        n = len(ids)
+        pooled = ra + rb
+        mean = sum(pooled) / len(pooled)
+        std = math.sqrt(sum((r - mean) ** 2 for r in pooled) / len(pooled))
+        diff, diff_var = _mean_var([x - y for x, y in zip(ra, rb, strict=True)])
+        half = z * math.sqrt(diff_var)
+        # every reward equal in both: nothing to normalise by, and nothing differs
+        norm, norm_var = (diff / std, diff_var / std ** 2) if std > 0 else (0.0, 0.0)
+        total, total_var = total + norm, total_var + norm_var
+        think = [(float(da[name][i].get("thinking_tokens", 0)), float(db[name][i].get("thinking_tokens", 0)))
+                 for i in ids]
+        domains[name] = {
+            "n": n, "accuracy_a": sum(ra) / n, "ci95_a": list(wilson(sum(ra), n)),
+            "accuracy_b": sum(rb) / n, "ci95_b": list(wilson(sum(rb), n)),
+            "difference": diff, "difference_ci95": [diff - half, diff + half],
+            "normalized_difference": norm,
+            "normalized_ci95": [norm - z * math.sqrt(norm_var), norm + z * math.sqrt(norm_var)],
+            "only_a": sum(x > y for x, y in zip(ra, rb, strict=True)),
+            "only_b": sum(y > x for x, y in zip(ra, rb, strict=True)),
+            "thinking_tokens_a": sum(t for t, _ in think) / n, "thinking_tokens_b": sum(t for _, t in think) / n,
+            "lower_beyond_ci": diff + half < 0,
+        }
+    k = len(domains)
+    mean_norm, half = total / k, z * math.sqrt(total_var) / k
+    return {"domains": domains, "mean_normalized_difference": mean_norm,
+            "mean_normalized_ci95": [mean_norm - half, mean_norm + half],
+            "a_better": mean_norm - half > 0,
+            "no_domain_lower": not any(d["lower_beyond_ci"] for d in domains.values())}
+
+
+def read_records(path) -> list[dict[str, Any]]:
+    """The records `horizon eval --records` wrote; ValueError naming the line for anything else."""
+    out = []
+    with open(path, encoding="utf-8") as f:
+        for n, line in enumerate(f, 1):
+            if not line.strip():
+                continue
+            try:
+                row = json.loads(line)
+            except ValueError:
+                raise ValueError(f"{path}:{n}: not JSON") from None
+            if not isinstance(row, dict) or not {"domain", "id", "reward"} <= set(row):
+                raise ValueError(f"{path}:{n}: an eval record needs domain, id and reward (horizon eval --records)")
+            out.append(row)
+    if not out:
+        raise ValueError(f"{path}: no records")
     return out

@@ -243,3 +243,33 @@ def test_a_reply_that_re_renders_differently_still_resumes_from_the_previous_pro
     exact = first + turn1.token_ids + prompts(5, seed=3)[0]
     res = e.generate([Request(exact, SamplingParams(max_tokens=4, temperature=0, ignore_eos=True))])[0]
     assert res.usage.cached_tokens == len(first) + len(turn1.token_ids) - 1
+
+
+def test_the_prefix_index_finds_what_a_scan_of_every_entry_finds():
+    """The hashed index against the plain reference: the longest entry that is a proper prefix."""
+    import random
+
+    from horizon.engine.blocks import BlockPool, PrefixCache
+
+    rng = random.Random(0)
+    state = [(torch.zeros(2), torch.zeros(1))]
+    cache = PrefixCache(BlockPool(4096), max_bytes=10**9)
+    stems = [[rng.randrange(6) for _ in range(rng.randrange(1, 12))] for _ in range(8)]
+    for _ in range(300):  # entries sharing stems, so many are prefixes of others
+        tokens = rng.choice(stems) + [rng.randrange(4) for _ in range(rng.randrange(0, 6))]
+        if rng.random() < 0.3:
+            tokens = [("image", "digest", 0), *tokens]  # an image key, as Sequence.key writes it
+        cache.add(tokens, state, [], prompt_end=rng.random() < 0.5)
+        if rng.random() < 0.1:
+            cache.evict_one()
+        prompt = rng.choice(stems) + [rng.randrange(4) for _ in range(rng.randrange(0, 8))]
+        expected = [e for e in cache.entries.values() if len(e.tokens) < len(prompt) and prompt[: len(e.tokens)]
+                    == e.tokens]
+        got = cache.lookup(prompt)
+        if not expected:
+            assert got is None
+        else:
+            assert got is not None and len(got.tokens) == max(len(e.tokens) for e in expected)
+            assert prompt[: len(got.tokens)] == got.tokens
+    # the byte count stays consistent through superseding and eviction
+    assert cache.nbytes == sum(e.nbytes for e in cache.entries.values())

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import math
 
 import pytest
 
@@ -11,7 +12,7 @@ from horizon.agent.local import EngineClient
 from horizon.checkpoint import open_model
 from horizon.cli import main
 from horizon.engine import Engine, EngineConfig
-from horizon.eval import valid_call, wilson
+from horizon.eval import compare, valid_call, wilson
 
 
 def test_engine_client_runs_forced_calls_and_resumes_each_step_from_the_cache():
@@ -62,3 +63,47 @@ def test_eval_runs_in_bf16_and_records_every_task(capsys, tmp_path):
         assert r["messages"][0]["role"] == "user" and r["id"].startswith(r["domain"] + "-heldout-")
         assert r["reward"] in (0.0, 1.0) and isinstance(r["reference"], str)
     assert sum(r["reward"] for r in rows[:2]) / 2 == report["domains"]["arithmetic"]["accuracy"]
+
+
+def _records(domain: str, rewards: list[float]) -> list[dict]:
+    return [{"domain": domain, "id": f"{domain}-heldout-{i}", "reward": r} for i, r in enumerate(rewards)]
+
+
+def test_compare_pairs_the_tasks_and_normalises_each_domain_by_its_spread():
+    # arithmetic: both solve 600, only A another 80, only B another 20 (A 0.68, B 0.62); passkey: all solved
+    a_arith = [1.0] * 600 + [1.0] * 80 + [0.0] * 20 + [0.0] * 300
+    b_arith = [1.0] * 600 + [0.0] * 80 + [1.0] * 20 + [0.0] * 300
+    a = _records("arithmetic", a_arith) + _records("passkey", [1.0] * 1000)
+    b = _records("arithmetic", b_arith) + _records("passkey", [1.0] * 1000)
+    res = compare(list(reversed(a)), b)  # pairing is by task id, not by order
+    d = res["domains"]["arithmetic"]
+    assert (d["accuracy_a"], d["accuracy_b"], d["only_a"], d["only_b"]) == (0.68, 0.62, 80, 20)
+    assert d["difference"] == pytest.approx(0.06)
+    std = math.sqrt(0.65 * 0.35)  # both models' rewards pooled
+    assert d["normalized_difference"] == pytest.approx(0.06 / std)
+    # the paired interval: the per-task differences are +1 (80), -1 (20), 0 (900)
+    half = 1.96 * math.sqrt((100 - 1000 * 0.06 ** 2) / 999 / 1000)
+    assert d["difference_ci95"] == pytest.approx([0.06 - half, 0.06 + half])
+    assert res["domains"]["passkey"]["normalized_difference"] == 0.0  # all equal: no spread, no difference
+    assert res["mean_normalized_difference"] == pytest.approx(0.06 / std / 2)
+    assert res["a_better"] and res["no_domain_lower"]
+    # the other way round: B is lower beyond its interval, and not better
+    back = compare(b, a)
+    assert back["domains"]["arithmetic"]["lower_beyond_ci"] and not back["no_domain_lower"] and not back["a_better"]
+
+
+def test_compare_refuses_records_of_different_tasks(tmp_path, capsys):
+    a, b = _records("arithmetic", [1.0, 0.0, 1.0]), _records("arithmetic", [1.0, 0.0])
+    with pytest.raises(ValueError, match="different tasks"):
+        compare(a, b)
+    with pytest.raises(ValueError, match="different domains"):
+        compare(a, _records("recall", [1.0, 0.0, 1.0]))
+    pa, pb, bad = tmp_path / "a.jsonl", tmp_path / "b.jsonl", tmp_path / "bad.jsonl"
+    pa.write_text("".join(json.dumps(r) + "\n" for r in a))
+    pb.write_text("".join(json.dumps(r) + "\n" for r in _records("arithmetic", [0.0, 0.0, 1.0])))
+    bad.write_text('{"domain": "arithmetic"}\n')
+    assert main(["compare", str(pa), str(pb)]) == 0
+    out = capsys.readouterr().out
+    assert "arithmetic" in out and "+0.333" in out and "mean normalised reward" in out
+    assert main(["compare", str(pa), str(bad)]) == 2
+    assert "bad.jsonl:1: an eval record needs domain, id and reward" in capsys.readouterr().err

@@ -4,32 +4,97 @@ from __future__ import annotations
 
 import json
 import random
+from types import SimpleNamespace
 
+import pytest
 import torch
 
 from horizon.chat import load_tokenizer
 from horizon.checkpoint import save
 from horizon.cli import main
-from horizon.train.rl import RewardNormalizer
+from horizon.train.rl import RewardNormalizer, advantages, rollout_examples
 
 from .conftest import tiny_model
 
 
+def _simulated_steps(normalizer, steps=150, group=8, seed=0, clip=5.0):
+    """Advantages as RL computes them, over steps of 4 groups of each of two domains: "small" scored in
+    {0, 1} and "large" the same kind of task scored in {0, 100}. Each task has its own success rate."""
+    rng = random.Random(seed)
+    out = {"small": [], "large": []}
+    for _ in range(steps):
+        domains, groups, rewards = [], [], []
+        for g in range(8):
+            name, scale = ("small", 1.0) if g % 2 else ("large", 100.0)
+            p = rng.random()  # this task's difficulty
+            for _ in range(group):
+                domains.append(name)
+                groups.append(g)
+                rewards.append(scale * float(rng.random() < p))
+        if normalizer is not None:
+            for name in out:
+                normalizer.update(name, [r for d, r in zip(domains, rewards, strict=True) if d == name])
+        for d, a in zip(domains, advantages(domains, groups, rewards, normalizer, clip=clip), strict=True):
+            out[d].append(abs(a))
+    return {name: sum(v) / len(v) for name, v in out.items()}
+
+
 def test_per_domain_normalisation_equalises_a_domain_with_100x_rewards():
+    # what the gradient sees: the mean |advantage| per domain, with and without the normaliser
+    raw = _simulated_steps(None, clip=float("inf"))  # (unclipped: the clip would hide the raw scale)
+    assert raw["large"] > 50 * raw["small"]  # unnormalised, the 100x domain drowns the other
+    norm = _simulated_steps(RewardNormalizer())
+    assert 0.8 < norm["large"] / norm["small"] < 1.25  # normalised, they weigh the same
+    assert 0.2 < norm["small"] < 1.5  # and on a unit scale
+
+
+def test_the_normaliser_keeps_running_statistics_per_domain():
     rng = random.Random(0)
-    small = [float(rng.random() < 0.3) for _ in range(400)]  # accuracy-like rewards in {0, 1}
-    large = [100.0 * float(rng.random() < 0.7) for _ in range(400)]  # the same kind, 100x the scale
+    small = [float(rng.random() < 0.3) for _ in range(400)]
+    large = [100.0 * float(rng.random() < 0.7) for _ in range(400)]
     norm = RewardNormalizer()
-    for i in range(0, 400, 8):  # as RL sees them: a batch per step
+    for i in range(0, 400, 8):  # a batch per step, as RL feeds it
         norm.update("small", small[i: i + 8])
         norm.update("large", large[i: i + 8])
-    a = torch.tensor([norm.normalize("small", r) for r in small])
-    b = torch.tensor([norm.normalize("large", r) for r in large])
-    assert abs(float(a.mean())) < 1e-6 and abs(float(b.mean())) < 1e-6
-    assert abs(float(a.std()) - 1) < 0.01 and abs(float(b.std()) - 1) < 0.01
-    # raw, the large domain's spread is ~100x the small one's; normalised, the same
-    assert float(torch.tensor(large).std()) > 50 * float(torch.tensor(small).std())
-    assert abs(float(a.abs().mean()) - float(b.abs().mean())) < 0.2
+    for name, rewards in (("small", small), ("large", large)):
+        z = torch.tensor([norm.normalize(name, r) for r in rewards])
+        assert abs(float(z.mean())) < 1e-6 and abs(float(z.std()) - 1) < 0.01
+    assert norm.normalize("unseen", 3.0) == pytest.approx(3.0)  # no statistics yet: mean 0, std 1
+
+
+def test_advantages_are_centred_per_group_and_a_thinking_cost_stays_small():
+    norm = RewardNormalizer()
+    norm.update("d", [0.0, 1.0] * 50)  # std 0.5
+    # a mixed group: centred, in units of the domain's std
+    adv = advantages(["d"] * 4, [0] * 4, [1.0, 0.0, 0.0, 0.0], norm)
+    assert adv == pytest.approx([1.5, -0.5, -0.5, -0.5], abs=1e-4)
+    # an all-correct group that differs only in thinking: the cost is a small signal, not a unit one...
+    costs = [0.02, 0.04, 0.06, 0.08]
+    adv = advantages(["d"] * 4, [0] * 4, [1.0] * 4, norm, costs)
+    assert adv == pytest.approx([0.03, 0.01, -0.01, -0.03], abs=1e-6)
+    # ...unless each group is also divided by its own spread (the original GRPO): then it is full size
+    adv = advantages(["d"] * 4, [0] * 4, [1.0] * 4, norm, costs, group_std=True)
+    assert max(abs(a) for a in adv) > 1
+    # equal values give 0; huge ones are clipped
+    assert advantages(["d"] * 3, [0] * 3, [1.0] * 3, norm) == [0.0, 0.0, 0.0]
+    assert max(advantages(["d"] * 8, [0] * 8, [1e6] + [0.0] * 7, norm, clip=5.0)) == 5.0
+
+
+def _turn(prompt, gen):
+    return SimpleNamespace(response={"prompt_ids": prompt, "token_ids": gen})
+
+
+def test_rollout_sequences_are_the_engines_own_tokens():
+    # step 2's prompt extends step 1's prompt + reply (a tool result follows): one sequence
+    one = rollout_examples([_turn([1, 2, 3], [4, 5]), _turn([1, 2, 3, 4, 5, 6, 7], [8, 9])], [])
+    assert [(e.ids, e.mask) for e in one] == [([1, 2, 3, 4, 5, 6, 7, 8, 9],
+                                               [False, False, False, True, True, False, False, True, True])]
+    # the history was rendered differently from what the model sampled: two sequences, each exact
+    two = rollout_examples([_turn([1, 2, 3], [4, 5]), _turn([1, 2, 3, 40, 6], [8])], [])
+    assert [(e.ids, e.mask) for e in two] == [([1, 2, 3, 4, 5], [False] * 3 + [True] * 2),
+                                              ([1, 2, 3, 40, 6, 8], [False] * 5 + [True])]
+    with pytest.raises(ValueError, match="EngineClient"):
+        rollout_examples([SimpleNamespace(response={"finish": "stop"})], [])
 
 
 def test_a_tiny_rl_run_rolls_out_updates_and_resumes(tmp_path):
@@ -49,3 +114,25 @@ def test_a_tiny_rl_run_rolls_out_updates_and_resumes(tmp_path):
         assert entry["kl"] >= 0 and set(entry["domains"]) <= {"arithmetic", "convert"}
         assert sum(d["rollouts"] for d in entry["domains"].values()) == 4
     assert (out / "rl_curves.png").exists() and (out / "rl_log.jsonl").exists()
+
+
+def test_rl_and_train_start_from_the_bundled_mxfp4_model_and_keep_its_experts_as_served(tmp_path):
+    from safetensors.torch import load_file
+
+    from horizon.checkpoint import BUNDLED_DIR
+
+    shipped = load_file(BUNDLED_DIR / "model.safetensors")
+    rl, sft = tmp_path / "rl", tmp_path / "sft"
+    assert main(["rl", "--out", str(rl), "--domains", "arithmetic", "--prompts", "1", "--group", "2",
+                 "--max-tokens", "24", "--episode-steps", "1", "--steps", "1", "--lr", "1e-3", "--no-progress"]) == 0
+    assert main(["train", "--init", "bundled", "--out", str(sft), "--domains", "arithmetic", "--per-domain", "4",
+                 "--batch-size", "2", "--steps", "1", "--lr", "1e-3", "--warmup", "0", "--no-progress"]) == 0
+    for run in (rl, sft):
+        config = json.loads((run / "checkpoint" / "config.json").read_text())
+        assert config["quantization_config"]["quant_method"] == "mxfp4"
+        trained = load_file(run / "checkpoint" / "model.safetensors")
+        experts = [k for k in shipped if "_blocks" in k or "_scales" in k]
+        assert experts and all(torch.equal(trained[k], shipped[k]) for k in experts)  # frozen, byte for byte
+        # the rest trains (in RL at least the DSA indexers: their sparse-stage loss is on whatever the rewards)
+        part = ".indexer." if run == rl else "embed."
+        assert any(not torch.equal(trained[k], shipped[k]) for k in shipped if part in k)

@@ -58,7 +58,7 @@ class EngineClient:
         results = self.engine.generate([request for _, request in built])
         elapsed = time.perf_counter() - t0
         out = []
-        for req, (body, _), res in zip(reqs, built, results, strict=True):
+        for req, (body, request), res in zip(reqs, built, results, strict=True):
             parsed = ParsedTurn.from_deltas(_nameless_calls_as_text(d for ev in res.events for d in ev.deltas),
                                             req.tier)
             message = parsed.to_message()
@@ -69,7 +69,10 @@ class EngineClient:
                 finish = "error"
             turn = Turn(message, calls, parsed.content, parsed.reasoning, finish,
                         Usage(u.prompt_tokens, u.completion_tokens, u.reasoning_tokens, u.cached_tokens),
-                        response={"finish": res.finish.reason, "error": res.finish.error}, elapsed_s=elapsed)
+                        # the engine's raw answer: the exact tokens in and out (RL trains on these)
+                        response={"finish": res.finish.reason, "error": res.finish.error,
+                                  "prompt_ids": list(request.prompt_ids), "token_ids": list(res.token_ids)},
+                        elapsed_s=elapsed)
             out.append((body, turn))
         return out
 

@@ -231,6 +231,7 @@ class Episode:
         self.usage, self.answer = Usage(), ""
         self.step, self.stop, self.error = 0, None, None
         self.req: StepRequest | None = None
+        self.turns: list[Turn] = []  # every reply as received (an in-process client's carry their token ids)
         if agent.transcript:
             agent.transcript.write("meta", api=wire.api, model=wire.model, task=task, history=history or [],
                                    tools=[{**t.spec(), "strict": t.strict} for t in agent.tools.values()],
@@ -264,6 +265,7 @@ class Episode:
         agent, cfg = self.agent, self.cfg
         agent._record_turn(self.step, body, turn)
         self.messages.append(turn.message)  # exactly as returned: the full-history rule
+        self.turns.append(turn)
         self.usage.add(turn.usage)
         self.answer = turn.text
         step, self.step = self.step, self.step + 1

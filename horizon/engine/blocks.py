@@ -11,11 +11,15 @@
   differently (a model's tokens need not be the tokenizer's canonical encoding of its text). A
   new prompt that extends an entry's tokens resumes from the longest such entry. Entries are
   evicted least recently used when their snapshot bytes exceed the cap, or when the pool runs dry.
+  Lookups cost O(prompt length), not O(entries x length): every entry is indexed by a rolling hash
+  of its tokens, and a prompt's prefix hashes are computed once and checked at the entry lengths
+  present (a hit is verified token by token, so a hash collision cannot resume a wrong state).
 """
 
 from __future__ import annotations
 
-from collections import OrderedDict
+from collections import Counter, OrderedDict
+from collections.abc import Iterator, Sequence
 from dataclasses import dataclass
 
 import torch
@@ -69,12 +73,27 @@ class PrefixEntry:
     blocks: list[int]  # DSA blocks holding rows 0 .. len-1 (one reference each)
     nbytes: int
     prompt_end: bool  # taken where a prompt ended (not after generated tokens)
+    digest: int = 0  # _rolling(tokens)'s last value: the entry's key in the index
+
+
+_MOD, _BASE = (1 << 61) - 1, 1_000_003
+
+
+def _rolling(tokens: Sequence) -> Iterator[int]:
+    """The hash of tokens[:n] for n = 1, 2, ... (polynomial, mod a Mersenne prime); a token may be an
+    image key instead of an id (`Sequence.key`), hence hash()."""
+    h = 0
+    for t in tokens:
+        h = (h * _BASE + hash(t)) % _MOD
+        yield h
 
 
 class PrefixCache:
     def __init__(self, pool: BlockPool, max_bytes: int):
         self.pool, self.max_bytes = pool, max_bytes
         self.entries: OrderedDict[int, PrefixEntry] = OrderedDict()  # least recently used first
+        self._index: dict[tuple[int, int], set[int]] = {}  # (length, digest) -> entry keys
+        self._lengths: Counter[int] = Counter()  # entry lengths present
         self._next = 0
         self.nbytes = 0
         self.hits = self.misses = 0
@@ -91,10 +110,14 @@ class PrefixCache:
         # entries that are prefixes of the new one are superseded, except that an entry ending in
         # generated tokens keeps the prompt-end entry it grew from (the fallback when a reply re-renders
         # differently)
-        for key in [k for k, e in self.entries.items()
-                    if tokens[: len(e.tokens)] == e.tokens and (prompt_end or not e.prompt_end)]:
-            self._drop(key)
-        self.entries[self._next] = PrefixEntry(list(tokens), state, list(blocks), nbytes, prompt_end)
+        tokens = list(tokens)
+        for key, entry in self._prefixes_of(tokens, proper=False):
+            if prompt_end or not entry.prompt_end:
+                self._drop(key)
+        *_, digest = _rolling(tokens)
+        self.entries[self._next] = PrefixEntry(list(tokens), state, list(blocks), nbytes, prompt_end, digest)
+        self._index.setdefault((len(tokens), digest), set()).add(self._next)
+        self._lengths[len(tokens)] += 1
         self._next += 1
         self.nbytes += nbytes
         while self.nbytes > self.max_bytes:
@@ -103,16 +126,28 @@ class PrefixCache:
     def lookup(self, prompt: list[int]) -> PrefixEntry | None:
         """The longest entry whose tokens are a proper prefix of `prompt` (one token must remain to compute)."""
         best_key, best = None, None
-        for key, entry in self.entries.items():
-            n = len(entry.tokens)
-            if n < len(prompt) and (best is None or n > len(best.tokens)) and prompt[:n] == entry.tokens:
-                best_key, best = key, entry
+        found = self._prefixes_of(prompt, proper=True)
+        if found:
+            longest = len(found[-1][1].tokens)
+            best_key, best = next((k, e) for k, e in found if len(e.tokens) == longest)
         if best is None:
             self.misses += 1
             return None
         self.hits += 1
         self.entries.move_to_end(best_key)
         return best
+
+    def _prefixes_of(self, tokens: list, proper: bool) -> list[tuple[int, PrefixEntry]]:
+        """(key, entry) for every entry whose tokens are a prefix of `tokens` (proper: a shorter one),
+        shortest first; among equal ones the oldest first."""
+        end = min(len(tokens) - (1 if proper else 0), max(self._lengths, default=0))
+        out = []
+        for n, h in zip(range(1, end + 1), _rolling(tokens), strict=False):
+            if n in self._lengths:
+                for key in sorted(self._index.get((n, h), ())):
+                    if self.entries[key].tokens == tokens[:n]:
+                        out.append((key, self.entries[key]))
+        return out
 
     def evict_one(self) -> bool:
         if not self.entries:
@@ -122,6 +157,13 @@ class PrefixCache:
 
     def _drop(self, key: int) -> None:
         entry = self.entries.pop(key)
+        n = len(entry.tokens)
+        self._index[(n, entry.digest)].discard(key)
+        if not self._index[(n, entry.digest)]:
+            del self._index[(n, entry.digest)]
+        self._lengths[n] -= 1
+        if not self._lengths[n]:
+            del self._lengths[n]
         self.nbytes -= entry.nbytes
         self.pool.release(entry.blocks)
 

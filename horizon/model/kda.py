@@ -175,6 +175,22 @@ class KimiDeltaAttention(nn.Module):
         g = -self.A_log.float().exp()[:, None] * F.softplus(raw.view(-1, self.num_heads, self.head_dim))
         return g
 
+    def _mixed(self, q, k, v, g, beta, state, lens):
+        """A forward that mixes decode steps (one token) with prefill chunks: the decodes run the
+        recurrence on their one token, the prefills chunkwise padded to the longest prefill only (not
+        every decode row padded to the prefill's length, which cost a whole chunk per decode)."""
+        B, T = q.shape[:2]
+        o = q.new_zeros(B, T, *v.shape[2:])
+        new_state = torch.empty_like(state)
+        short = lens <= 1
+        dec, pre = short.nonzero()[:, 0], (~short).nonzero()[:, 0]
+        Tp = int(lens[pre].max())
+        od, new_state[dec] = kda_recurrent(*(t[dec, :1] for t in (q, k, v, g, beta)), initial_state=state[dec])
+        op, new_state[pre] = kda_chunkwise(*(t[pre, :Tp] for t in (q, k, v, g, beta)), initial_state=state[pre],
+                                           chunk_size=self.chunk_size)
+        o[dec, :1], o[pre, :Tp] = od, op
+        return o, new_state
+
     def forward(self, x: torch.Tensor, batch: Batch, cache=None) -> torch.Tensor:
         """x [N, d] (flat tokens) -> [N, d]; reads and updates this layer's state in `cache` if given."""
         H, dk = self.num_heads, self.head_dim
@@ -194,6 +210,8 @@ class KimiDeltaAttention(nn.Module):
         beta = batch.pad(torch.sigmoid(self.b_proj(x).float()))
         if layer_cache is not None and T == 1:
             o, state = kda_recurrent(q, k, v, g, beta, initial_state=state)
+        elif layer_cache is not None and bool((batch.lens <= 1).any()):
+            o, state = self._mixed(q, k, v, g, beta, state, batch.lens)
         else:
             o, state = kda_chunkwise(q, k, v, g, beta, initial_state=state, chunk_size=self.chunk_size)
         if layer_cache is not None:

@@ -6,14 +6,20 @@ One step:
      adapted toward domains whose running accuracy is neither ~0 nor ~1, where there is signal);
   2. for each, a group of `group_size` rollouts through the engine (the serving sampler) as agent
      episodes (multi-step tasks use their tools), each under a thinking tier drawn from `tiers`;
-  3. reward = the domain's reward - thinking_cost * thinking tokens / the tier's budget; normalised
-     per domain with running mean and variance (so a domain scored in hundreds does not drown one
-     scored in [0, 1]); advantages = the normalised rewards minus their group mean, over the group's
-     standard deviation;
+  3. the domain's reward, normalised per domain with running mean and variance (`RewardNormalizer`),
+     minus the thinking cost, thinking_cost * thinking tokens / the tier's budget (so a whole budget
+     costs `thinking_cost` standard deviations of the domain's reward); the advantage of a rollout is
+     that minus its group's mean (`advantages`). The group mean is the baseline for the task's
+     difficulty; the per-domain scale makes one unit of advantage mean the same in every domain, so a
+     domain scored in hundreds does not drown one scored in [0, 1]. (Dividing by the group's own
+     standard deviation, as the original GRPO does, is an option, `group_std`: it makes the domain
+     scale irrelevant too, but it also blows a group's tiny differences up to full size, e.g. a few
+     thinking tokens' cost in a group that is all correct.) Advantages are clipped to +-`clip`;
   4. loss = -mean over rollouts of advantage * mean log-probability of the tokens the model generated
-     (the rollout re-rendered exactly: the assistant mask), + kl_coef * the k3 estimate of KL to the
-     initial policy (a frozen copy, kept only when kl_coef > 0), + the DSA indexers' sparse-stage KL;
-     AdamW step, MoE bias balancing, as in supervised training.
+     (the engine's own token ids, not a re-rendering: a model that writes a malformed call, or text a
+     tokenizer would split differently, is trained on what it sampled), + kl_coef * the k3 estimate
+     of KL to the initial policy (a frozen copy, kept only when kl_coef > 0), + the DSA indexers'
+     sparse-stage KL; AdamW step, MoE bias balancing, as in supervised training.
 The checkpoint adds the reward statistics, the sampler's ratios and the task counter to the
 supervised trainer's state, so a run resumes exactly where it stopped.
 """
@@ -24,13 +30,14 @@ import copy
 import math
 import random
 import time
-from dataclasses import dataclass, field
+from dataclasses import asdict, dataclass, field
 from typing import Any
 
 import torch
 import torch.nn.functional as F
 
-from horizon.train.data import collate, render_chat, tool_specs
+from horizon.chat.images import decode_conversation, image_parts
+from horizon.train.data import Example, collate
 from horizon.train.trainer import TrainConfig, Trainer
 
 
@@ -59,6 +66,58 @@ class RewardNormalizer:
         return (reward - mean) / (self.std(domain) + self.eps)
 
 
+def advantages(domains: list[str], groups: list[int], rewards: list[float], normalizer: RewardNormalizer | None,
+               costs: list[float] | None = None, group_std: bool = False, clip: float = 5.0) -> list[float]:
+    """One advantage per rollout: its reward normalised per domain (`normalizer`, already updated with
+    these rewards; None: raw rewards) minus its cost, minus the mean of that over its group, optionally
+    over the group's standard deviation, clipped to +-clip. A group whose values are all equal gets 0."""
+    costs = costs or [0.0] * len(rewards)
+    norm = [(normalizer.normalize(d, r) if normalizer else r) - c
+            for d, r, c in zip(domains, rewards, costs, strict=True)]
+    members: dict[int, list[int]] = {}
+    for i, g in enumerate(groups):
+        members.setdefault(g, []).append(i)
+    out = [0.0] * len(norm)
+    for idx in members.values():
+        values = torch.tensor([norm[i] for i in idx], dtype=torch.float64)
+        spread = float(values.std()) if len(idx) > 1 else 0.0
+        if spread < 1e-8:
+            continue
+        centred = values - values.mean()
+        if group_std:
+            centred = centred / spread
+        for i, a in zip(idx, centred.clamp(-clip, clip).tolist(), strict=True):
+            out[i] = a
+    return out
+
+
+def rollout_examples(turns: list, images: list[torch.Tensor]) -> list[Example]:
+    """The tokens an episode's model calls saw and sampled, as few sequences as possible: a step whose
+    prompt starts with the previous step's prompt + its generated tokens (the usual case: rendering is
+    prefix-stable) extends that sequence; one that does not (the model wrote something the template
+    renders differently) starts a new one. The mask is on the sampled tokens only."""
+    out: list[Example] = []
+    ids: list[int] = []
+    mask: list[bool] = []
+    for turn in turns:
+        raw = turn.response if isinstance(turn.response, dict) else {}
+        if "prompt_ids" not in raw:
+            raise ValueError("RL rollouts need an in-process EngineClient (its replies carry the token ids)")
+        prompt, gen = raw["prompt_ids"], raw["token_ids"]
+        if ids and prompt[: len(ids)] == ids:
+            mask += [False] * (len(prompt) - len(ids))
+            ids = list(prompt)
+        else:
+            if ids:
+                out.append(Example(ids, mask, images))
+            ids, mask = list(prompt), [False] * len(prompt)
+        ids += gen
+        mask += [True] * len(gen)
+    if ids and any(mask):
+        out.append(Example(ids, mask, images))
+    return out
+
+
 @dataclass
 class RLConfig:
     domains: list[str] = field(default_factory=lambda: ["arithmetic"])
@@ -67,12 +126,28 @@ class RLConfig:
     prompts_per_step: int = 4
     group_size: int = 4
     tiers: list[str | None] = field(default_factory=lambda: ["low"])
-    thinking_cost: float = 0.0  # reward penalty per thinking token, as a share of the tier's budget
+    thinking_cost: float = 0.0  # what a whole thinking budget costs, in standard deviations of the domain's reward
     kl_coef: float = 0.0
     temperature: float = 1.0
     max_episode_steps: int = 4
     max_tokens: int = 256  # per model call
     indexer_loss: bool = True  # keep training the DSA indexers (sparse stage) during RL
+    group_std: bool = False  # also divide advantages by the group's standard deviation (original GRPO)
+    clip: float = 5.0  # advantages are clipped to +-clip
+    micro_batch: int = 8  # sequences per forward/backward in the update (gradients accumulate)
+
+    def validate(self) -> None:
+        if not self.domains:
+            raise ValueError("RLConfig.domains: give at least one task domain")
+        for name in ("prompts_per_step", "group_size", "max_episode_steps", "max_tokens", "micro_batch"):
+            if not isinstance(getattr(self, name), int) or getattr(self, name) < 1:
+                raise ValueError(f"RLConfig.{name}={getattr(self, name)!r}: must be an integer >= 1")
+        bad = [t for t in self.tiers if t not in (None, "low", "high", "max")]
+        if not self.tiers or bad:
+            raise ValueError(f"RLConfig.tiers={self.tiers!r}: allowed none, low, high, max")
+        if self.thinking_cost < 0 or self.kl_coef < 0 or not self.temperature > 0 or not self.clip > 0:
+            raise ValueError("RLConfig: thinking_cost and kl_coef must be >= 0, temperature and clip > 0 (got "
+                             f"{self.thinking_cost}, {self.kl_coef}, {self.temperature}, {self.clip})")
 
 
 class RLTrainer(Trainer):
@@ -80,6 +155,7 @@ class RLTrainer(Trainer):
         from horizon.agent.local import EngineClient
         from horizon.tasks import get_domain
 
+        rl.validate()
         self.rl = rl
         self.domains = {name: get_domain(name) for name in rl.domains}
         ratios = rl.ratios or [1.0] * len(rl.domains)
@@ -144,7 +220,9 @@ class RLTrainer(Trainer):
             r["reward"] = reward_of(self.domains[task.domain], task, r["tools"], result.answer)
             budget = self.budgets[r["tier"]] if r["tier"] else 1
             r["thinking"] = result.usage.reasoning_tokens
-            r["total"] = r["reward"] - self.rl.thinking_cost * r["thinking"] / budget
+            pixels = decode_conversation(result.messages)  # the task's images, in placeholder order
+            r["images"] = [pixels[id(part)] for _, part in image_parts(result.messages)]
+            r["cost"] = self.rl.thinking_cost * r["thinking"] / budget
         return runs
 
     # --- one step --------------------------------------------------------------------------------------
@@ -152,45 +230,59 @@ class RLTrainer(Trainer):
         cfg, rl, model = self.config, self.rl, self.model
         t0 = time.perf_counter()
         runs = self.rollouts()
+        t_rollout = time.perf_counter() - t0
         by_domain: dict[str, list[dict]] = {}
         for r in runs:
             by_domain.setdefault(r["task"].domain, []).append(r)
         for name, rs in by_domain.items():
-            self.normalizer.update(name, [r["total"] for r in rs])
+            self.normalizer.update(name, [r["reward"] for r in rs])
             acc = sum(r["reward"] for r in rs) / len(rs)
             self.accuracy[name] = 0.9 * self.accuracy[name] + 0.1 * acc
-        for r in runs:
-            r["norm"] = self.normalizer.normalize(r["task"].domain, r["total"])
-        for g in {r["group"] for r in runs}:
-            group = [r for r in runs if r["group"] == g]
-            values = torch.tensor([r["norm"] for r in group])
-            std = float(values.std()) if len(group) > 1 else 0.0
-            for r in group:
-                r["advantage"] = (r["norm"] - float(values.mean())) / (std + 1e-6) if std > 1e-8 else 0.0
-        examples = [render_chat(self.tokenizer, model.config, r["result"].messages,
-                                tool_specs(r["task"].tools), r["tier"]) for r in runs]
-        batch = collate(examples, cfg.max_len, model.config, self.tokenizer.special.image)
+        adv = advantages([r["task"].domain for r in runs], [r["group"] for r in runs], [r["reward"] for r in runs],
+                         self.normalizer, [r["cost"] for r in runs], rl.group_std, rl.clip)
+        for r, a in zip(runs, adv, strict=True):
+            r["norm"], r["advantage"] = self.normalizer.normalize(r["task"].domain, r["reward"]), a
+        # the update: every sequence of every rollout, in micro-batches whose gradients add up to the loss
+        seqs = [(i, ex) for i, r in enumerate(runs) for ex in rollout_examples(r["episode"].turns, r["images"])]
+        seqs.sort(key=lambda s: len(s[1].ids))  # similar lengths share a micro-batch: little padding
+        n_tokens = torch.zeros(len(runs))
+        for i, ex in seqs:
+            n_tokens[i] += sum(ex.mask[1:])
+        weight = torch.tensor(adv) / n_tokens.clamp_min(1) / len(runs)  # -> mean over rollouts of adv * mean logp
         lr = self.begin_update()
         model.train()
-        logp, mask = self._token_logprobs(model, batch)
-        n_tokens = mask.sum(-1).clamp_min(1)
-        adv = torch.tensor([r["advantage"] for r in runs])
-        pg = -(adv * (logp * mask).sum(-1) / n_tokens).mean()
-        loss, kl = pg, torch.zeros(())
-        if self.reference is not None:
-            with torch.no_grad():
-                ref, _ = self._token_logprobs(self.reference, batch)
-            d = (ref - logp) * mask
-            kl = ((d.exp() - d - 1) * mask).sum() / mask.sum().clamp_min(1)  # k3: >= 0, unbiased
-            loss = loss + rl.kl_coef * kl
-        if self.dsa and rl.indexer_loss:
-            loss = loss + sum(m.indexer_loss for m in self.dsa if m.indexer_loss is not None) / len(self.dsa)
-        grad_norm = self.apply_update(loss)
-        entry = {"step": self.step_idx, "loss": loss.item(), "pg_loss": pg.item(), "kl": kl.item(), "lr": lr,
-                 "grad_norm": float(grad_norm), "seconds": time.perf_counter() - t0,
+        pg_total, kl_sum, indexer_total = 0.0, 0.0, 0.0
+        kl_tokens = max(1.0, float(n_tokens.sum()))
+        chunks = [seqs[k: k + rl.micro_batch] for k in range(0, len(seqs), rl.micro_batch)]
+        for chunk in chunks:
+            owners = torch.tensor([i for i, _ in chunk])
+            batch = collate([ex for _, ex in chunk], cfg.max_len, model.config, self.tokenizer.special.image)
+            logp, mask = self._token_logprobs(model, batch)
+            pg = -(weight[owners] * logp.sum(-1)).sum()
+            loss = pg
+            if self.reference is not None:
+                with torch.no_grad():
+                    ref, _ = self._token_logprobs(self.reference, batch)
+                d = (ref - logp) * mask
+                kl = ((d.exp() - d - 1) * mask).sum()  # k3: >= 0, unbiased
+                loss = loss + rl.kl_coef * kl / kl_tokens
+                kl_sum += kl.item()
+            if self.dsa and rl.indexer_loss:
+                indexer = sum(m.indexer_loss for m in self.dsa if m.indexer_loss is not None) / len(self.dsa)
+                loss = loss + indexer / len(chunks)
+                indexer_total += indexer.item() / len(chunks)
+            loss.backward()
+            pg_total += pg.item()
+        grad_norm = self.apply_update(None)
+        kl_mean = kl_sum / kl_tokens
+        entry = {"step": self.step_idx, "loss": pg_total + rl.kl_coef * kl_mean + indexer_total, "pg_loss": pg_total,
+                 "kl": kl_mean, "indexer_kl": indexer_total, "lr": lr, "grad_norm": float(grad_norm),
+                 "sequences": len(seqs), "tokens": int(n_tokens.sum()), "rollout_seconds": t_rollout,
+                 "seconds": time.perf_counter() - t0,
                  "domains": {name: {"reward": sum(r["reward"] for r in rs) / len(rs),
                                     "accuracy": sum(r["reward"] >= 1.0 for r in rs) / len(rs),
                                     "normalized": sum(r["norm"] for r in rs) / len(rs),
+                                    "advantage_abs": sum(abs(r["advantage"]) for r in rs) / len(rs),
                                     "thinking_tokens": sum(r["thinking"] for r in rs) / len(rs),
                                     "rollouts": len(rs)} for name, rs in by_domain.items()}}
         self.log.append(entry)
@@ -198,17 +290,19 @@ class RLTrainer(Trainer):
 
     @staticmethod
     def _token_logprobs(model, batch) -> tuple[torch.Tensor, torch.Tensor]:
-        """(log-probability of each next token [B, T], 1.0 where it was generated) for a collated batch."""
+        """(log-probability of each next token [B, T], 0 where it was not generated; the mask) for a batch."""
         embeds = torch.cat(model.encode_images(batch["images"])) if batch["images"] else None
         logits = model(batch["ids"], lengths=batch["lengths"], image_embeds=embeds, image_mask=batch["image_mask"])
         targets = batch["targets"]
         mask = (targets != -100).float()
-        logp = torch.gather(F.log_softmax(logits.float(), -1), -1, targets.clamp_min(0)[..., None])[..., 0]
-        return logp * mask, mask
+        logp = -F.cross_entropy(logits.float().flatten(0, 1), targets.flatten(), ignore_index=-100,
+                                reduction="none").view_as(targets)  # 0 where ignored
+        return logp, mask
 
     # --- state -----------------------------------------------------------------------------------------
     def extra_state(self) -> dict[str, Any]:
-        return {"normalizer": self.normalizer.stats, "accuracy": self.accuracy, "next_seed": self.next_seed}
+        return {"normalizer": self.normalizer.stats, "accuracy": self.accuracy, "next_seed": self.next_seed,
+                "rl": asdict(self.rl)}
 
     def load_extra_state(self, state: dict[str, Any]) -> None:
         self.normalizer.stats = {k: list(v) for k, v in state.get("normalizer", {}).items()}
@@ -217,15 +311,27 @@ class RLTrainer(Trainer):
 
     log_name, plot_name = "rl_log.jsonl", "rl_curves.png"
 
-    def plot(self, plt):
-        """Reward, accuracy and thinking tokens per domain, and the KL to the initial policy."""
-        fig, axes = plt.subplots(1, 4, figsize=(16, 3.5))
-        for name in self.rl.domains:
+    def plot(self, plt, window: int = 10):
+        """Per domain: reward, accuracy, thinking tokens and mean |advantage| (the weight the domain gets in
+        the gradient); and the KL to the initial policy. Faint: each step; solid: a rollout-weighted
+        moving average over `window` steps (a step holds only a few tasks per domain)."""
+        keys = ("reward", "accuracy", "thinking_tokens", "advantage_abs")
+        fig, axes = plt.subplots(1, 5, figsize=(20, 3.5))
+        for k, name in enumerate(self.rl.domains):
             pts = [(e["step"], e["domains"][name]) for e in self.log if name in e["domains"]]
-            for ax, key in zip(axes[:3], ("reward", "accuracy", "thinking_tokens"), strict=True):
-                ax.plot([s for s, _ in pts], [d[key] for _, d in pts], label=name)
-        axes[3].plot([e["step"] for e in self.log], [e["kl"] for e in self.log])
-        for ax, title in zip(axes, ("reward", "accuracy", "thinking tokens", "KL to the initial policy"), strict=True):
+            steps = [s for s, _ in pts]
+            for ax, key in zip(axes[:4], keys, strict=True):
+                values = [d.get(key, 0.0) for _, d in pts]
+                weights = [d["rollouts"] for _, d in pts]
+                smooth = []
+                for i, s in enumerate(steps):
+                    near = [j for j in range(i + 1) if steps[j] > s - window]
+                    smooth.append(sum(values[j] * weights[j] for j in near) / sum(weights[j] for j in near))
+                ax.plot(steps, values, color=f"C{k}", alpha=0.25)
+                ax.plot(steps, smooth, color=f"C{k}", label=name)
+        axes[4].plot([e["step"] for e in self.log], [e["kl"] for e in self.log])
+        titles = ("reward", "accuracy", "thinking tokens", "mean |advantage|", "KL to the initial policy")
+        for ax, title in zip(axes, titles, strict=True):
             ax.set(xlabel="step", title=title)
         axes[0].legend()
         return fig

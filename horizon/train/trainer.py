@@ -176,10 +176,12 @@ class Trainer:
         self.optimizer.zero_grad(set_to_none=True)
         return lr
 
-    def apply_update(self, loss: torch.Tensor) -> float:
-        """Backward, clip, AdamW step, the MoE bias update; returns the gradient norm before clipping."""
+    def apply_update(self, loss: torch.Tensor | None) -> float:
+        """Backward (None: the gradients are already accumulated), clip, AdamW step, the MoE bias update;
+        returns the gradient norm before clipping."""
         cfg, model = self.config, self.model
-        loss.backward()
+        if loss is not None:
+            loss.backward()
         grad_norm = torch.nn.utils.clip_grad_norm_([p for p in model.parameters() if p.grad is not None],
                                                    cfg.grad_clip)
         self.optimizer.step()
