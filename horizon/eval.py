@@ -205,18 +205,13 @@ def compare(a: list[dict[str, Any]], b: list[dict[str, Any]], z: float = 1.96) -
 
 def read_records(path) -> list[dict[str, Any]]:
     """The records `horizon eval --records` wrote; ValueError naming the line for anything else."""
+    from horizon.train.data import jsonl_rows
+
     out = []
-    with open(path, encoding="utf-8") as f:
-        for n, line in enumerate(f, 1):
-            if not line.strip():
-                continue
-            try:
-                row = json.loads(line)
-            except ValueError:
-                raise ValueError(f"{path}:{n}: not JSON") from None
-            if not isinstance(row, dict) or not {"domain", "id", "reward"} <= set(row):
-                raise ValueError(f"{path}:{n}: an eval record needs domain, id and reward (horizon eval --records)")
-            out.append(row)
+    for n, row in jsonl_rows(path):
+        if not isinstance(row, dict) or not {"domain", "id", "reward"} <= set(row):
+            raise ValueError(f"{path}:{n}: an eval record needs domain, id and reward (horizon eval --records)")
+        out.append(row)
     if not out:
         raise ValueError(f"{path}: no records")
     return out

@@ -12,7 +12,8 @@ import torch
 from horizon.chat import load_tokenizer
 from horizon.checkpoint import save
 from horizon.cli import main
-from horizon.train.rl import RewardNormalizer, advantages, rollout_examples
+from horizon.train.data import Example, collate
+from horizon.train.rl import RewardNormalizer, RLTrainer, advantages, rollout_examples, token_weights
 
 from .conftest import tiny_model
 
@@ -78,6 +79,34 @@ def test_advantages_are_centred_per_group_and_a_thinking_cost_stays_small():
     # equal values give 0; huge ones are clipped
     assert advantages(["d"] * 3, [0] * 3, [1.0] * 3, norm) == [0.0, 0.0, 0.0]
     assert max(advantages(["d"] * 8, [0] * 8, [1e6] + [0.0] * 7, norm, clip=5.0)) == 5.0
+
+
+def test_shared_tokens_cancel_in_the_policy_loss_and_logprobs_are_at_the_sampling_temperature():
+    model = tiny_model()
+    # one group of two rollouts: the same prompt and opening, then one short and one long ending
+    prompt, shared = [5, 6, 7, 8], [20, 21, 22, 23, 24, 25]
+    short, long = shared + [30, 31], shared + [40, 41, 42, 43, 44, 45, 46, 47, 48, 49]
+    examples = [Example(prompt + g, [False] * len(prompt) + [True] * len(g)) for g in (short, long)]
+    batch = collate(examples, 64, model.config, image_token_id=3)
+    with torch.no_grad():
+        logp, mask = RLTrainer._token_logprobs(model, batch, 0.7)
+        # at temperature 0.7: log_softmax(logits / 0.7) of the generated tokens
+        logits = model(batch["ids"], lengths=batch["lengths"]).float() / 0.7
+    want = torch.log_softmax(logits, -1).gather(-1, batch["targets"].clamp_min(0)[..., None])[..., 0] * mask
+    assert torch.allclose(logp, want, atol=1e-5)
+    assert torch.allclose(logp[:, 3:9][0], logp[:, 3:9][1], atol=1e-5)  # the shared opening, same context
+
+    # advantages +1 / -1: the shared opening's terms cancel exactly, whatever the two lengths
+    n_tokens = mask.sum(-1)
+    weight = token_weights([1.0, -1.0], n_tokens)
+    assert weight[0] == -weight[1] == pytest.approx(1.0 / float(n_tokens.mean()) / 2)
+    loss = -(weight * logp.sum(-1)).sum()
+    tail = logp.clone()
+    tail[:, : len(prompt) - 1 + len(shared)] = 0  # the endings' tokens only
+    assert float(loss) == pytest.approx(float(-(weight * tail.sum(-1)).sum()), abs=1e-5)
+    # dividing each rollout by its own length would not cancel them
+    own = torch.tensor([1.0, -1.0]) / n_tokens / 2
+    assert abs(float(-(own * logp.sum(-1)).sum() + (own * tail.sum(-1)).sum())) > 1e-3
 
 
 def _turn(prompt, gen):

@@ -71,21 +71,29 @@ def task_example(tokenizer, cfg: ModelConfig, task, tier: str = "low") -> Exampl
                        tier if thinks else None, source=task.domain)
 
 
+def jsonl_rows(path: str | Path):
+    """(line number, parsed value) for each non-blank line of a JSONL file; ValueError naming the line
+    for one that is not JSON."""
+    with open(path, encoding="utf-8") as f:
+        for n, line in enumerate(f, 1):
+            if line.strip():
+                try:
+                    yield n, json.loads(line)
+                except ValueError as e:  # json.JSONDecodeError is a ValueError
+                    raise ValueError(f"{path}:{n}: not JSON ({e})") from None
+
+
 def read_jsonl(path: str | Path, tokenizer, cfg: ModelConfig) -> list[Example]:
     """A user's chats, one JSON object per line; errors name the line."""
     examples = []
-    with open(path, encoding="utf-8") as f:
-        for n, line in enumerate(f, 1):
-            if not line.strip():
-                continue
-            try:
-                row = json.loads(line)
-                if not isinstance(row, dict) or not isinstance(row.get("messages"), list):
-                    raise ValueError('each line must be an object with a "messages" list')
-                examples.append(render_chat(tokenizer, cfg, row["messages"], row.get("tools"), row.get("tier"),
-                                            source=Path(path).name))
-            except ValueError as e:  # json.JSONDecodeError is a ValueError too
-                raise ValueError(f"{path}:{n}: {e}") from None
+    for n, row in jsonl_rows(path):
+        try:
+            if not isinstance(row, dict) or not isinstance(row.get("messages"), list):
+                raise ValueError('each line must be an object with a "messages" list')
+            examples.append(render_chat(tokenizer, cfg, row["messages"], row.get("tools"), row.get("tier"),
+                                        source=Path(path).name))
+        except ValueError as e:
+            raise ValueError(f"{path}:{n}: {e}") from None
     if not examples:
         raise ValueError(f"{path}: no chats in the file")
     return examples

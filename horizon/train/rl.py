@@ -15,9 +15,10 @@ One step:
      standard deviation, as the original GRPO does, is an option, `group_std`: it makes the domain
      scale irrelevant too, but it also blows a group's tiny differences up to full size, e.g. a few
      thinking tokens' cost in a group that is all correct.) Advantages are clipped to +-`clip`;
-  4. loss = -mean over rollouts of advantage * mean log-probability of the tokens the model generated
-     (the engine's own token ids, not a re-rendering: a model that writes a malformed call, or text a
-     tokenizer would split differently, is trained on what it sampled), + kl_coef * the k3 estimate
+  4. loss = -sum over generated tokens of advantage * log-probability / (rollouts * mean tokens per
+     rollout), the log-probabilities at the sampling temperature (on-policy), of the tokens the model
+     generated (the engine's own token ids, not a re-rendering: a model that writes a malformed call,
+     or text a tokenizer would split differently, is trained on what it sampled), + kl_coef * the k3 estimate
      of KL to the initial policy (a frozen copy, kept only when kl_coef > 0), + the DSA indexers'
      sparse-stage KL; AdamW step, MoE bias balancing, as in supervised training.
 The checkpoint adds the reward statistics, the sampler's ratios and the task counter to the
@@ -116,6 +117,16 @@ def rollout_examples(turns: list, images: list[torch.Tensor]) -> list[Example]:
     if ids and any(mask):
         out.append(Example(ids, mask, images))
     return out
+
+
+def token_weights(adv: list[float], n_tokens: torch.Tensor) -> torch.Tensor:
+    """The weight of every generated token of each rollout in the policy loss: adv / (mean tokens per
+    rollout) / rollouts, one constant for all rollouts rather than each one's own length (Dr. GRPO). Then
+    tokens a group's rollouts share (the same context, the same token: a templated opening, say) cancel
+    exactly, as the group's advantages sum to 0, and the gradient comes from where the rollouts differ;
+    per-rollout length normalisation leaves shared tokens pushed up or down by noise, and favours long
+    wrong answers over short ones (a wrong answer's penalty is spread thinner the longer it is)."""
+    return torch.tensor(adv, dtype=torch.float32) / max(1.0, float(n_tokens.float().mean())) / len(adv)
 
 
 @dataclass
@@ -248,7 +259,7 @@ class RLTrainer(Trainer):
         n_tokens = torch.zeros(len(runs))
         for i, ex in seqs:
             n_tokens[i] += sum(ex.mask[1:])
-        weight = torch.tensor(adv) / n_tokens.clamp_min(1) / len(runs)  # -> mean over rollouts of adv * mean logp
+        weight = token_weights(adv, n_tokens)
         lr = self.begin_update()
         model.train()
         pg_total, kl_sum, indexer_total = 0.0, 0.0, 0.0
@@ -257,12 +268,12 @@ class RLTrainer(Trainer):
         for chunk in chunks:
             owners = torch.tensor([i for i, _ in chunk])
             batch = collate([ex for _, ex in chunk], cfg.max_len, model.config, self.tokenizer.special.image)
-            logp, mask = self._token_logprobs(model, batch)
+            logp, mask = self._token_logprobs(model, batch, rl.temperature)
             pg = -(weight[owners] * logp.sum(-1)).sum()
             loss = pg
             if self.reference is not None:
                 with torch.no_grad():
-                    ref, _ = self._token_logprobs(self.reference, batch)
+                    ref, _ = self._token_logprobs(self.reference, batch, rl.temperature)
                 d = (ref - logp) * mask
                 kl = ((d.exp() - d - 1) * mask).sum()  # k3: >= 0, unbiased
                 loss = loss + rl.kl_coef * kl / kl_tokens
@@ -289,10 +300,13 @@ class RLTrainer(Trainer):
         return entry
 
     @staticmethod
-    def _token_logprobs(model, batch) -> tuple[torch.Tensor, torch.Tensor]:
-        """(log-probability of each next token [B, T], 0 where it was not generated; the mask) for a batch."""
+    def _token_logprobs(model, batch, temperature: float = 1.0) -> tuple[torch.Tensor, torch.Tensor]:
+        """(log-probability of each next token [B, T], 0 where it was not generated; the mask) for a batch,
+        under the sampling temperature: the policy the rollouts were drawn from, so the update is on-policy."""
         embeds = torch.cat(model.encode_images(batch["images"])) if batch["images"] else None
         logits = model(batch["ids"], lengths=batch["lengths"], image_embeds=embeds, image_mask=batch["image_mask"])
+        if temperature != 1.0:
+            logits = logits.float() / temperature
         targets = batch["targets"]
         mask = (targets != -100).float()
         logp = -F.cross_entropy(logits.float().flatten(0, 1), targets.flatten(), ignore_index=-100,
