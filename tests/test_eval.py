@@ -8,6 +8,7 @@ import math
 import pytest
 
 from horizon.agent import Agent, AgentConfig, Calculator, StepPlan
+from horizon.agent.client import StepRequest
 from horizon.agent.local import EngineClient
 from horizon.checkpoint import open_model
 from horizon.cli import main
@@ -32,6 +33,20 @@ def test_engine_client_runs_forced_calls_and_resumes_each_step_from_the_cache():
     tool_results = [m for m in result.messages if m["role"] == "tool"]
     assert len(tool_results) == 2 and calls[1]["reasoning_content"] is not None  # the second step thought
     assert result.usage.cached_tokens > 0  # later steps resume the earlier ones' state
+
+
+def test_engine_client_marks_the_tokens_the_engine_forced():
+    bundle = open_model("tiny-random")
+    engine = Engine(bundle.model, bundle.tokenizer, EngineConfig(max_num_seqs=2, max_model_len=2048),
+                    generation_config={**bundle.generation_config,
+                                       "thinking_budgets": {"low": 8, "high": 16, "max": 24}})
+    client = EngineClient(engine, bundle.tokenizer)
+    _, turn = client.complete(StepRequest([{"role": "user", "content": "hi"}], [], tier="low", max_tokens=20,
+                                          temperature=0.0))
+    ids, forced = turn.response["token_ids"], turn.response["forced"]
+    assert forced == [8] and ids[8] == bundle.tokenizer.special.think_end  # the random model thinks to the cap
+    _, turn = client.complete(StepRequest([{"role": "user", "content": "hi"}], [], max_tokens=6, temperature=0.0))
+    assert turn.response["forced"] == []  # thinking off: nothing is forced
 
 
 def test_wilson_interval():

@@ -122,6 +122,10 @@ def test_rollout_sequences_are_the_engines_own_tokens():
     two = rollout_examples([_turn([1, 2, 3], [4, 5]), _turn([1, 2, 3, 40, 6], [8])], [])
     assert [(e.ids, e.mask) for e in two] == [([1, 2, 3, 4, 5], [False] * 3 + [True] * 2),
                                               ([1, 2, 3, 40, 6, 8], [False] * 5 + [True])]
+    # a token the engine forced (the end of thinking at the budget) is in the sequence but not trained on
+    forced = rollout_examples([SimpleNamespace(response={"prompt_ids": [1, 2], "token_ids": [4, 5, 6],
+                                                         "forced": [1]})], [])
+    assert [(e.ids, e.mask) for e in forced] == [([1, 2, 4, 5, 6], [False, False, True, False, True])]
     with pytest.raises(ValueError, match="EngineClient"):
         rollout_examples([SimpleNamespace(response={"finish": "stop"})], [])
 

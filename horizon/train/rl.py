@@ -96,7 +96,10 @@ def rollout_examples(turns: list, images: list[torch.Tensor]) -> list[Example]:
     """The tokens an episode's model calls saw and sampled, as few sequences as possible: a step whose
     prompt starts with the previous step's prompt + its generated tokens (the usual case: rendering is
     prefix-stable) extends that sequence; one that does not (the model wrote something the template
-    renders differently) starts a new one. The mask is on the sampled tokens only."""
+    renders differently) starts a new one. The mask is on the sampled tokens only: not the prompts, and not
+    a token the engine forced (the end of thinking once the budget is spent), which the policy did not
+    choose; trained on, its log-probability, often tiny, would be pushed down by every over-long wrong
+    rollout without end, and the KL estimate on it explodes."""
     out: list[Example] = []
     ids: list[int] = []
     mask: list[bool] = []
@@ -112,11 +115,15 @@ def rollout_examples(turns: list, images: list[torch.Tensor]) -> list[Example]:
             if ids:
                 out.append(Example(ids, mask, images))
             ids, mask = list(prompt), [False] * len(prompt)
+        forced = set(raw.get("forced", ()))
         ids += gen
-        mask += [True] * len(gen)
+        mask += [i not in forced for i in range(len(gen))]
     if ids and any(mask):
         out.append(Example(ids, mask, images))
     return out
+
+
+KL_CLAMP = 10.0  # the most one token's k3 term may add to the KL penalty
 
 
 def token_weights(adv: list[float], n_tokens: torch.Tensor) -> torch.Tensor:
@@ -275,7 +282,9 @@ class RLTrainer(Trainer):
                 with torch.no_grad():
                     ref, _ = self._token_logprobs(self.reference, batch, rl.temperature)
                 d = (ref - logp) * mask
-                kl = ((d.exp() - d - 1) * mask).sum()  # k3: >= 0, unbiased
+                # k3: >= 0, unbiased; per token at most KL_CLAMP, since exp(d) of a token the policy has all but
+                # ruled out (d ~ 15) would be millions and its gradient would swamp the whole step
+                kl = ((d.exp() - d - 1).clamp(max=KL_CLAMP) * mask).sum()
                 loss = loss + rl.kl_coef * kl / kl_tokens
                 kl_sum += kl.item()
             if self.dsa and rl.indexer_loss:
