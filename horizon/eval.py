@@ -31,6 +31,7 @@ from horizon.agent.local import EngineClient
 from horizon.agent.registry import make_tools
 from horizon.agent.tool import ToolError, check_arguments
 from horizon.tasks import get_domain, make_split
+from horizon.train.data import jsonl_rows
 
 DEFAULT_DOMAINS = ("arithmetic", "passkey-short", "terminal", "convert", "image")
 
@@ -205,8 +206,6 @@ def compare(a: list[dict[str, Any]], b: list[dict[str, Any]], z: float = 1.96) -
 
 def read_records(path) -> list[dict[str, Any]]:
     """The records `horizon eval --records` wrote; ValueError naming the line for anything else."""
-    from horizon.train.data import jsonl_rows
-
     out = []
     for n, row in jsonl_rows(path):
         if not isinstance(row, dict) or not {"domain", "id", "reward"} <= set(row):

@@ -15,7 +15,7 @@ from typing import Any
 from horizon.agent.client import OnEvent, OpenAIWire, StepRequest, ToolCall, Turn, Usage, emit_turn
 from horizon.chat.images import decode_conversation, render_with_images
 from horizon.chat.parser import ParsedTurn, TextDelta, ToolCallArgs, ToolCallStart
-from horizon.engine import ConstraintSpec, Request, SamplingParams, TokenEvent
+from horizon.engine import ConstraintSpec, Request, SamplingParams
 from horizon.model.vision import num_image_tokens
 
 
@@ -67,15 +67,14 @@ class EngineClient:
             finish = "length" if res.finish.reason == "length" else ("tool_calls" if calls else "stop")
             if res.finish.reason == "error":
                 finish = "error"
-            # positions the engine forced (the end of thinking at the budget): not the model's choice, so RL
-            # must not train on them
-            forced = [i for i, e in enumerate(e for e in res.events if isinstance(e, TokenEvent)) if e.forced]
             turn = Turn(message, calls, parsed.content, parsed.reasoning, finish,
                         Usage(u.prompt_tokens, u.completion_tokens, u.reasoning_tokens, u.cached_tokens),
                         # the engine's raw answer: the exact tokens in and out (RL trains on these)
                         response={"finish": res.finish.reason, "error": res.finish.error,
                                   "prompt_ids": list(request.prompt_ids), "token_ids": list(res.token_ids),
-                                  "forced": forced},
+                                  # positions the engine forced (the end of thinking at the budget): not
+                                  # the model's choice, so RL does not train on them
+                                  "forced": list(res.forced)},
                         elapsed_s=elapsed)
             out.append((body, turn))
         return out

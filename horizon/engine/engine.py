@@ -67,6 +67,7 @@ class Result:
 
     request_id: str
     token_ids: list[int] = field(default_factory=list)
+    forced: list[int] = field(default_factory=list)  # positions in token_ids the engine forced, not sampled
     events: list[Event] = field(default_factory=list)
     finish: FinishEvent | None = None
 
@@ -357,6 +358,8 @@ class Engine:
             res = results[event.request_id]
             res.events.append(event)
             if isinstance(event, TokenEvent):
+                if event.forced:
+                    res.forced.append(len(res.token_ids))
                 res.token_ids.append(event.token_id)
             else:
                 res.finish = event

@@ -313,12 +313,13 @@ class RLTrainer(Trainer):
         """(log-probability of each next token [B, T], 0 where it was not generated; the mask) for a batch,
         under the sampling temperature: the policy the rollouts were drawn from, so the update is on-policy."""
         embeds = torch.cat(model.encode_images(batch["images"])) if batch["images"] else None
-        logits = model(batch["ids"], lengths=batch["lengths"], image_embeds=embeds, image_mask=batch["image_mask"])
+        logits = model(batch["ids"], lengths=batch["lengths"], image_embeds=embeds,
+                       image_mask=batch["image_mask"]).float()
         if temperature != 1.0:
-            logits = logits.float() / temperature
+            logits = logits / temperature
         targets = batch["targets"]
         mask = (targets != -100).float()
-        logp = -F.cross_entropy(logits.float().flatten(0, 1), targets.flatten(), ignore_index=-100,
+        logp = -F.cross_entropy(logits.flatten(0, 1), targets.flatten(), ignore_index=-100,
                                 reduction="none").view_as(targets)  # 0 where ignored
         return logp, mask
 
