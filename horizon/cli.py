@@ -364,7 +364,7 @@ def _cmd_train(args: argparse.Namespace) -> int:
         trainer.restore()
     print(f"horizon train: {model.num_parameters():,} parameters; sources "
           f"{ {k: len(v) for k, v in sources.items()} }; step {trainer.step_idx} -> {config.steps}", flush=True)
-    log = trainer.train(progress=not args.no_progress)
+    log = trainer.train(progress=not args.no_progress, max_minutes=args.max_minutes)
     last = log[-1] if log else {}
     print(f"done: step {trainer.step_idx}, loss {last.get('loss', float('nan')):.4f}; checkpoint "
           f"{trainer.checkpoint_dir}, log {out / 'train_log.jsonl'}, plot {out / 'train_curves.png'}")
@@ -394,7 +394,7 @@ def _cmd_rl(args: argparse.Namespace) -> int:
                   group_size=args.group, tiers=tiers, thinking_cost=args.thinking_cost, kl_coef=args.kl,
                   temperature=args.temperature, max_episode_steps=args.episode_steps, max_tokens=args.max_tokens,
                   indexer_loss=not args.no_indexer_loss, group_std=args.group_std, clip=args.clip,
-                  micro_batch=args.micro_batch)
+                  micro_batch=args.micro_batch, train_flat=args.train_flat)
     if args.resume:  # the run's own settings; only --steps moves
         meta = json.loads(state.read_text())
         config = config_from_dict({**meta["config"], **({"steps": args.steps} if args.steps else {})})
@@ -410,7 +410,7 @@ def _cmd_rl(args: argparse.Namespace) -> int:
         trainer.restore()
     print(f"horizon rl: {args.domains}, {args.prompts} tasks x {args.group} rollouts per step, "
           f"step {trainer.step_idx} -> {config.steps}", flush=True)
-    trainer.train(progress=not args.no_progress)
+    trainer.train(progress=not args.no_progress, max_minutes=args.max_minutes)
     print(f"done: checkpoint {trainer.checkpoint_dir}, log {out / 'rl_log.jsonl'}, plot {out / 'rl_curves.png'}")
     return 0
 
@@ -603,6 +603,8 @@ def build_parser() -> argparse.ArgumentParser:
                    help="sft; dense (sft with dense attention: the base the indexer stages start from); "
                         "indexer-warmup (dense attention, only the DSA indexers learn); sparse (top-k on)")
     p.add_argument("--resume", action="store_true", help="continue the run in --out from its checkpoint")
+    p.add_argument("--max-minutes", type=float, default=None,
+                   help="stop (and checkpoint) once this much wall-clock time has passed: a compute budget")
     p.add_argument("--no-progress", action="store_true")
     p.set_defaults(func=_cmd_train)
 
@@ -630,10 +632,15 @@ def build_parser() -> argparse.ArgumentParser:
                    help="divide advantages by the group's standard deviation too (the original GRPO)")
     p.add_argument("--clip", type=float, default=5.0, help="advantages are clipped to +-CLIP")
     p.add_argument("--micro-batch", type=int, default=8, help="sequences per forward/backward in an update")
+    p.add_argument("--train-flat", action="store_true",
+                   help="run the update on rollouts with advantage 0 too (the same policy gradient, several times "
+                        "the cost near the ceiling; only the KL and indexer terms see them)")
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--save-every", type=int, default=25)
     p.add_argument("--log-every", type=int, default=10, help="with --no-progress: a log line every N steps")
     p.add_argument("--resume", action="store_true")
+    p.add_argument("--max-minutes", type=float, default=None,
+                   help="stop (and checkpoint) once this much wall-clock time has passed: a compute budget")
     p.add_argument("--no-progress", action="store_true")
     p.set_defaults(func=_cmd_rl)
 

@@ -143,6 +143,9 @@ def test_a_tiny_rl_run_rolls_out_updates_and_resumes(tmp_path):
     state = json.loads((out / "checkpoint" / "trainer_state" / "state.json").read_text())
     assert state["step"] == 2 and len(state["log"]) == 2
     assert state["extra"]["next_seed"] == 4  # two tasks per step, counted across the resume
+    # a spent compute budget stops the run after the step in progress, with a checkpoint
+    assert main([*args, "--steps", "50", "--resume", "--max-minutes", "1e-9"]) == 0
+    assert json.loads((out / "checkpoint" / "trainer_state" / "state.json").read_text())["step"] == 3
     for entry in state["log"]:
         assert entry["kl"] >= 0 and set(entry["domains"]) <= {"arithmetic", "convert"}
         assert sum(d["rollouts"] for d in entry["domains"].values()) == 4
@@ -157,7 +160,8 @@ def test_rl_and_train_start_from_the_bundled_mxfp4_model_and_keep_its_experts_as
     shipped = load_file(BUNDLED_DIR / "model.safetensors")
     rl, sft = tmp_path / "rl", tmp_path / "sft"
     assert main(["rl", "--out", str(rl), "--domains", "arithmetic", "--prompts", "1", "--group", "2",
-                 "--max-tokens", "24", "--episode-steps", "1", "--steps", "1", "--lr", "1e-3", "--no-progress"]) == 0
+                 "--max-tokens", "24", "--episode-steps", "1", "--steps", "1", "--lr", "1e-3", "--train-flat",
+                 "--no-progress"]) == 0
     assert main(["train", "--init", "bundled", "--out", str(sft), "--domains", "arithmetic", "--per-domain", "4",
                  "--batch-size", "2", "--steps", "1", "--lr", "1e-3", "--warmup", "0", "--no-progress"]) == 0
     for run in (rl, sft):
@@ -166,6 +170,40 @@ def test_rl_and_train_start_from_the_bundled_mxfp4_model_and_keep_its_experts_as
         trained = load_file(run / "checkpoint" / "model.safetensors")
         experts = [k for k in shipped if "_blocks" in k or "_scales" in k]
         assert experts and all(torch.equal(trained[k], shipped[k]) for k in experts)  # frozen, byte for byte
-        # the rest trains (in RL at least the DSA indexers: their sparse-stage loss is on whatever the rewards)
+        # the rest trains (in RL at least the DSA indexers: with --train-flat their sparse-stage loss runs on
+        # every rollout, whatever the rewards)
         part = ".indexer." if run == rl else "embed."
         assert any(not torch.equal(trained[k], shipped[k]) for k in shipped if part in k)
+
+
+def test_skipping_rollouts_with_no_advantage_leaves_the_policy_gradient_unchanged(tmp_path, monkeypatch):
+    """Near the ceiling most groups score alike; the update skips their rollouts, which must change nothing
+    in the policy gradient (their weight is 0 and the others' weights are computed over all rollouts)."""
+    import horizon.train.rl as rl_module
+
+    init = tmp_path / "init"
+    save(tiny_model(), init, tokenizer=load_tokenizer(),
+         generation_config={"thinking_budgets": {"low": 4, "high": 8, "max": 16}})
+    # 3 tasks x 2 rollouts: the first group disagrees, the other two are flat
+    monkeypatch.setattr(rl_module, "advantages", lambda domains, *a, **k: [0.7, -0.7] + [0.0] * (len(domains) - 2))
+    grads = {}
+
+    def capture(self, loss):
+        grads[self.rl.train_flat] = {n: p.grad.clone() for n, p in self.model.named_parameters()
+                                     if p.grad is not None}
+        self.step_idx += 1  # no optimiser step: the gradients are what is compared
+        return 0.0
+
+    monkeypatch.setattr(rl_module.RLTrainer, "apply_update", capture)
+    logs = {}
+    for flag in ([], ["--train-flat"]):
+        out = tmp_path / f"rl{len(flag)}"
+        assert main(["rl", "--init", str(init), "--out", str(out), "--domains", "arithmetic", "--prompts", "3",
+                     "--group", "2", "--max-tokens", "8", "--episode-steps", "1", "--no-indexer-loss",
+                     "--steps", "1", "--save-every", "1", "--no-progress", *flag]) == 0
+        logs[bool(flag)] = json.loads((out / "rl_log.jsonl").read_text().splitlines()[0])
+    assert logs[False]["trained_rollouts"] == 2 and logs[True]["trained_rollouts"] == 6
+    assert logs[False]["sequences"] < logs[True]["sequences"]
+    assert grads[False].keys() == grads[True].keys() and grads[False]
+    for name, g in grads[True].items():
+        torch.testing.assert_close(grads[False][name], g, rtol=1e-4, atol=1e-7, msg=name)

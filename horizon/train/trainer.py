@@ -190,9 +190,12 @@ class Trainer:
         self.step_idx += 1
         return float(grad_norm)
 
-    def train(self, progress: bool = True) -> list[dict[str, Any]]:
-        """Steps until config.steps; checkpoints every save_every steps and at the end."""
+    def train(self, progress: bool = True, max_minutes: float | None = None) -> list[dict[str, Any]]:
+        """Steps until config.steps, or until max_minutes of wall clock have passed (a compute budget: runs
+        compared "for the same compute" stop at the same time); checkpoints every save_every steps and at
+        the end."""
         cfg = self.config
+        deadline = time.perf_counter() + 60 * max_minutes if max_minutes else math.inf
         bar = None
         if progress:
             from rich.progress import BarColumn, Progress, TextColumn, TimeRemainingColumn
@@ -210,8 +213,13 @@ class Trainer:
                     print(f"step {self.step_idx}/{cfg.steps} " + " ".join(
                         f"{k} {v:.4g}" for k, v in entry.items() if k != "step" and isinstance(v, float)),
                         file=sys.stderr, flush=True)
-                if self.step_idx % cfg.save_every == 0 or self.step_idx == cfg.steps:
+                out_of_time = time.perf_counter() >= deadline
+                if self.step_idx % cfg.save_every == 0 or self.step_idx == cfg.steps or out_of_time:
                     self.save()
+                if out_of_time:
+                    print(f"stopped at step {self.step_idx}/{cfg.steps}: the {max_minutes:g}-minute budget is spent",
+                          file=sys.stderr, flush=True)
+                    break
         finally:
             if bar is not None:
                 bar.stop()
