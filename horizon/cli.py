@@ -633,8 +633,8 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--clip", type=float, default=5.0, help="advantages are clipped to +-CLIP")
     p.add_argument("--micro-batch", type=int, default=8, help="sequences per forward/backward in an update")
     p.add_argument("--train-flat", action="store_true",
-                   help="run the update on rollouts with advantage 0 too (the same policy gradient, several times "
-                        "the cost near the ceiling; only the KL and indexer terms see them)")
+                   help="run the update on rollouts with advantage 0 too: the same policy gradient, but the KL "
+                        "and indexer terms see them as well, at several times the cost near the ceiling")
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--save-every", type=int, default=25)
     p.add_argument("--log-every", type=int, default=10, help="with --no-progress: a log line every N steps")
