@@ -479,6 +479,12 @@ def _cmd_compare(args: argparse.Namespace) -> int:
     return 0
 
 
+def _add_max_minutes(p: argparse.ArgumentParser) -> None:
+    """train and rl: a wall-clock budget, so runs compared "for the same compute" stop at the same time."""
+    p.add_argument("--max-minutes", type=float, default=None,
+                   help="stop (and checkpoint) once this much wall-clock time has passed: a compute budget")
+
+
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="horizon", description=__doc__,
                                      formatter_class=argparse.RawDescriptionHelpFormatter)
@@ -603,8 +609,7 @@ def build_parser() -> argparse.ArgumentParser:
                    help="sft; dense (sft with dense attention: the base the indexer stages start from); "
                         "indexer-warmup (dense attention, only the DSA indexers learn); sparse (top-k on)")
     p.add_argument("--resume", action="store_true", help="continue the run in --out from its checkpoint")
-    p.add_argument("--max-minutes", type=float, default=None,
-                   help="stop (and checkpoint) once this much wall-clock time has passed: a compute budget")
+    _add_max_minutes(p)
     p.add_argument("--no-progress", action="store_true")
     p.set_defaults(func=_cmd_train)
 
@@ -639,8 +644,7 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--save-every", type=int, default=25)
     p.add_argument("--log-every", type=int, default=10, help="with --no-progress: a log line every N steps")
     p.add_argument("--resume", action="store_true")
-    p.add_argument("--max-minutes", type=float, default=None,
-                   help="stop (and checkpoint) once this much wall-clock time has passed: a compute budget")
+    _add_max_minutes(p)
     p.add_argument("--no-progress", action="store_true")
     p.set_defaults(func=_cmd_rl)
 

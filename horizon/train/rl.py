@@ -153,7 +153,7 @@ class RLConfig:
     group_std: bool = False  # also divide advantages by the group's standard deviation (original GRPO)
     clip: float = 5.0  # advantages are clipped to +-clip
     micro_batch: int = 8  # sequences per forward/backward in the update (gradients accumulate)
-    train_flat: bool = False  # also run the update on rollouts whose advantage is 0 (only the KL term sees them)
+    train_flat: bool = False  # also update on rollouts with advantage 0 (same policy gradient; KL/indexer see them)
 
     def validate(self) -> None:
         if not self.domains:
@@ -273,7 +273,7 @@ class RLTrainer(Trainer):
             # near the ceiling most groups do: skipping their forwards and backwards makes the step several
             # times cheaper with the same policy gradient; the KL and indexer terms then see the rest only
             seqs = [(i, ex) for i, ex in seqs if adv[i] != 0.0]
-        trained = sorted({i for i, _ in seqs})
+        trained = list({i for i, _ in seqs})  # the rollouts the update sees
         lr = self.begin_update()
         model.train()
         pg_total, kl_sum, indexer_total = 0.0, 0.0, 0.0
