@@ -394,7 +394,7 @@ def _cmd_rl(args: argparse.Namespace) -> int:
                   group_size=args.group, tiers=tiers, thinking_cost=args.thinking_cost, kl_coef=args.kl,
                   temperature=args.temperature, max_episode_steps=args.episode_steps, max_tokens=args.max_tokens,
                   indexer_loss=not args.no_indexer_loss, group_std=args.group_std, clip=args.clip,
-                  micro_batch=args.micro_batch, train_flat=args.train_flat)
+                  micro_batch=args.micro_batch, train_flat=args.train_flat, guide=args.guide)
     if args.resume:  # the run's own settings; only --steps moves
         meta = json.loads(state.read_text())
         config = config_from_dict({**meta["config"], **({"steps": args.steps} if args.steps else {})})
@@ -640,6 +640,9 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--train-flat", action="store_true",
                    help="run the update on rollouts with advantage 0 too: the same policy gradient, but the KL "
                         "and indexer terms see them as well, at several times the cost near the ceiling")
+    p.add_argument("--guide", action="store_true",
+                   help="add each task's reference trajectory to its group as one more member scored 1.0 "
+                        "(off-policy guidance): a task the model fails in every sample still teaches it")
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--save-every", type=int, default=25)
     p.add_argument("--log-every", type=int, default=10, help="with --no-progress: a log line every N steps")

@@ -207,3 +207,38 @@ def test_skipping_rollouts_with_no_advantage_leaves_the_policy_gradient_unchange
     assert grads[False].keys() == grads[True].keys() and grads[False]
     for name, g in grads[True].items():
         torch.testing.assert_close(grads[False][name], g, rtol=1e-4, atol=1e-7, msg=name)
+
+
+def test_guidance_teaches_a_task_the_policy_fails_in_every_sample(tmp_path):
+    """--guide adds the task's reference trajectory to its group: the untrained model fails every rollout
+    (a flat group, nothing for plain GRPO to learn), yet the update raises the reference's probability."""
+    from horizon.checkpoint import load
+    from horizon.tasks import get_domain
+    from horizon.train.data import task_example
+
+    init = tmp_path / "init"
+    save(tiny_model(), init, tokenizer=load_tokenizer(),
+         generation_config={"thinking_budgets": {"low": 4, "high": 8, "max": 16}})
+    tokenizer = load_tokenizer()
+    tasks = [get_domain("arithmetic").generate(seed, "train") for seed in (0, 1)]  # the run's tasks (--seed 0)
+
+    def reference_logp(folder):
+        model = load(folder).eval()
+        batch = collate([task_example(tokenizer, model.config, t, "low") for t in tasks], 2048, model.config,
+                        tokenizer.special.image)
+        with torch.no_grad():
+            return RLTrainer._token_logprobs(model, batch)[0].sum(-1)
+
+    out = tmp_path / "rl"
+    base = ["rl", "--init", str(init), "--out", str(out), "--domains", "arithmetic", "--prompts", "2", "--group",
+            "2", "--max-tokens", "8", "--episode-steps", "1", "--lr", "1e-3", "--warmup", "0", "--steps", "1",
+            "--save-every", "1", "--no-progress"]
+    assert main([*base, "--guide"]) == 0
+    entry = json.loads((out / "rl_log.jsonl").read_text().splitlines()[0])
+    assert entry["domains"]["arithmetic"]["accuracy"] == 0.0 and entry["domains"]["arithmetic"]["rollouts"] == 4
+    assert entry["guided_groups"] == 2 and entry["trained_rollouts"] == 6  # 2 x (2 failures + the reference)
+    before, after = reference_logp(init), reference_logp(out / "checkpoint")
+    assert (after > before).all(), (before, after)
+    # without guidance the same all-failed groups are flat: no rollout is trained on
+    assert main([*base[:4], str(tmp_path / "plain"), *base[5:]]) == 0
+    assert json.loads((tmp_path / "plain" / "rl_log.jsonl").read_text())["trained_rollouts"] == 0

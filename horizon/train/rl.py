@@ -9,7 +9,11 @@ One step:
   3. the domain's reward, normalised per domain with running mean and variance (`RewardNormalizer`),
      minus the thinking cost, thinking_cost * thinking tokens / the tier's budget (so a whole budget
      costs `thinking_cost` standard deviations of the domain's reward); the advantage of a rollout is
-     that minus its group's mean (`advantages`). The group mean is the baseline for the task's
+     that minus its group's mean (`advantages`). With `guide`, each group also holds the task's reference
+     trajectory (the one supervised training learns from) as one more member scored 1.0: off-policy
+     guidance, as in LUFFY. A task the policy fails in every sample, which plain GRPO cannot learn from,
+     then pushes the reference up and the policy's own failures down; a group that is all correct stays
+     flat and costs nothing in the update. The group mean is the baseline for the task's
      difficulty; the per-domain scale makes one unit of advantage mean the same in every domain, so a
      domain scored in hundreds does not drown one scored in [0, 1]. (Dividing by the group's own
      standard deviation, as the original GRPO does, is an option, `group_std`: it makes the domain
@@ -154,6 +158,7 @@ class RLConfig:
     clip: float = 5.0  # advantages are clipped to +-clip
     micro_batch: int = 8  # sequences per forward/backward in the update (gradients accumulate)
     train_flat: bool = False  # also update on rollouts with advantage 0 (same policy gradient; KL/indexer see them)
+    guide: bool = False  # add each task's reference trajectory to its group, scored 1.0 (off-policy guidance)
 
     def validate(self) -> None:
         if not self.domains:
@@ -242,7 +247,23 @@ class RLTrainer(Trainer):
             pixels = decode_conversation(result.messages)  # the task's images, in placeholder order
             r["images"] = [pixels[id(part)] for _, part in image_parts(result.messages)]
             r["cost"] = self.rl.thinking_cost * r["thinking"] / budget
+        if rl.guide:
+            runs += [self._guide(runs[g * rl.group_size]) for g in range(len(picks))]
         return runs
+
+    def _guide(self, first: dict[str, Any]) -> dict[str, Any]:
+        """The reference member of `first`'s group: the task's reference trajectory, rendered as supervised
+        training renders it under the group's first tier, scored 1.0 (every domain's generator builds its
+        reference to solve the task), its thinking charged like a rollout's."""
+        from horizon.train.data import task_example
+
+        task, tier = first["task"], first["tier"]
+        example = task_example(self.tokenizer, self.model.config, task, tier)
+        thinking = sum(len(self.tokenizer.encode(m["reasoning_content"])) for m in task.target
+                       if m.get("role") == "assistant" and m.get("reasoning_content"))
+        budget = self.budgets[tier] if tier else 1
+        return {"task": task, "group": first["group"], "tier": tier, "guide": example, "reward": 1.0,
+                "thinking": thinking, "cost": self.rl.thinking_cost * thinking / budget, "images": example.images}
 
     # --- one step --------------------------------------------------------------------------------------
     def step(self) -> dict[str, Any]:
@@ -250,9 +271,10 @@ class RLTrainer(Trainer):
         t0 = time.perf_counter()
         runs = self.rollouts()
         t_rollout = time.perf_counter() - t0
-        by_domain: dict[str, list[dict]] = {}
+        by_domain: dict[str, list[dict]] = {}  # the policy's own rollouts: what the statistics describe
         for r in runs:
-            by_domain.setdefault(r["task"].domain, []).append(r)
+            if "guide" not in r:
+                by_domain.setdefault(r["task"].domain, []).append(r)
         for name, rs in by_domain.items():
             self.normalizer.update(name, [r["reward"] for r in rs])
             acc = sum(r["reward"] for r in rs) / len(rs)
@@ -262,7 +284,8 @@ class RLTrainer(Trainer):
         for r, a in zip(runs, adv, strict=True):
             r["norm"], r["advantage"] = self.normalizer.normalize(r["task"].domain, r["reward"]), a
         # the update: the sequences of every rollout, in micro-batches whose gradients add up to the loss
-        seqs = [(i, ex) for i, r in enumerate(runs) for ex in rollout_examples(r["episode"].turns, r["images"])]
+        seqs = [(i, ex) for i, r in enumerate(runs)
+                for ex in ([r["guide"]] if "guide" in r else rollout_examples(r["episode"].turns, r["images"]))]
         seqs.sort(key=lambda s: len(s[1].ids))  # similar lengths share a micro-batch: little padding
         n_tokens = torch.zeros(len(runs))
         for i, ex in seqs:
@@ -305,6 +328,7 @@ class RLTrainer(Trainer):
         entry = {"step": self.step_idx, "loss": pg_total + rl.kl_coef * kl_mean + indexer_total, "pg_loss": pg_total,
                  "kl": kl_mean, "indexer_kl": indexer_total, "lr": lr, "grad_norm": float(grad_norm),
                  "sequences": len(seqs), "trained_rollouts": len(trained), "tokens": int(n_tokens.sum()),
+                 "guided_groups": sum(adv[i] > 0 for i, r in enumerate(runs) if "guide" in r),
                  "rollout_seconds": t_rollout,
                  "seconds": time.perf_counter() - t0,
                  "domains": {name: {"reward": sum(r["reward"] for r in rs) / len(rs),
