@@ -40,6 +40,14 @@ def _simulated_steps(normalizer, steps=150, group=8, seed=0, clip=5.0):
     return {name: sum(v) / len(v) for name, v in out.items()}
 
 
+def _saved_tiny(tmp_path):
+    """The tiny test model as a checkpoint with small thinking budgets, for runs through the CLI."""
+    init = tmp_path / "init"
+    save(tiny_model(), init, tokenizer=load_tokenizer(),
+         generation_config={"thinking_budgets": {"low": 4, "high": 8, "max": 16}})
+    return init
+
+
 def test_per_domain_normalisation_equalises_a_domain_with_100x_rewards():
     # what the gradient sees: the mean |advantage| per domain, with and without the normaliser
     raw = _simulated_steps(None, clip=float("inf"))  # (unclipped: the clip would hide the raw scale)
@@ -131,9 +139,7 @@ def test_rollout_sequences_are_the_engines_own_tokens():
 
 
 def test_a_tiny_rl_run_rolls_out_updates_and_resumes(tmp_path):
-    init = tmp_path / "init"
-    save(tiny_model(), init, tokenizer=load_tokenizer(),
-         generation_config={"thinking_budgets": {"low": 4, "high": 8, "max": 16}})
+    init = _saved_tiny(tmp_path)
     out = tmp_path / "rl"
     args = ["rl", "--init", str(init), "--out", str(out), "--domains", "arithmetic,convert", "--prompts", "2",
             "--group", "2", "--tiers", "none,low", "--max-tokens", "12", "--episode-steps", "2", "--kl", "0.1",
@@ -181,9 +187,7 @@ def test_skipping_rollouts_with_no_advantage_leaves_the_policy_gradient_unchange
     in the policy gradient (their weight is 0 and the others' weights are computed over all rollouts)."""
     import horizon.train.rl as rl_module
 
-    init = tmp_path / "init"
-    save(tiny_model(), init, tokenizer=load_tokenizer(),
-         generation_config={"thinking_budgets": {"low": 4, "high": 8, "max": 16}})
+    init = _saved_tiny(tmp_path)
     # 3 tasks x 2 rollouts: the first group disagrees, the other two are flat
     monkeypatch.setattr(rl_module, "advantages", lambda domains, *a, **k: [0.7, -0.7] + [0.0] * (len(domains) - 2))
     grads = {}
@@ -216,9 +220,7 @@ def test_guidance_teaches_a_task_the_policy_fails_in_every_sample(tmp_path):
     from horizon.tasks import get_domain
     from horizon.train.data import task_example
 
-    init = tmp_path / "init"
-    save(tiny_model(), init, tokenizer=load_tokenizer(),
-         generation_config={"thinking_budgets": {"low": 4, "high": 8, "max": 16}})
+    init = _saved_tiny(tmp_path)
     tokenizer = load_tokenizer()
     tasks = [get_domain("arithmetic").generate(seed, "train") for seed in (0, 1)]  # the run's tasks (--seed 0)
 

@@ -242,11 +242,10 @@ class RLTrainer(Trainer):
             task = r["task"]
             r["result"] = result
             r["reward"] = reward_of(self.domains[task.domain], task, r["tools"], result.answer)
-            budget = self.budgets[r["tier"]] if r["tier"] else 1
             r["thinking"] = result.usage.reasoning_tokens
             pixels = decode_conversation(result.messages)  # the task's images, in placeholder order
             r["images"] = [pixels[id(part)] for _, part in image_parts(result.messages)]
-            r["cost"] = self.rl.thinking_cost * r["thinking"] / budget
+            r["cost"] = self._thinking_cost(r["tier"], r["thinking"])
         if rl.guide:
             runs += [self._guide(runs[g * rl.group_size]) for g in range(len(picks))]
         return runs
@@ -261,9 +260,12 @@ class RLTrainer(Trainer):
         example = task_example(self.tokenizer, self.model.config, task, tier)
         thinking = sum(len(self.tokenizer.encode(m["reasoning_content"])) for m in task.target
                        if m.get("role") == "assistant" and m.get("reasoning_content"))
-        budget = self.budgets[tier] if tier else 1
         return {"task": task, "group": first["group"], "tier": tier, "guide": example, "reward": 1.0,
-                "thinking": thinking, "cost": self.rl.thinking_cost * thinking / budget, "images": example.images}
+                "thinking": thinking, "cost": self._thinking_cost(tier, thinking), "images": example.images}
+
+    def _thinking_cost(self, tier: str | None, thinking: int) -> float:
+        """thinking_cost per whole budget of the tier (a rollout without a tier: per token)."""
+        return self.rl.thinking_cost * thinking / (self.budgets[tier] if tier else 1)
 
     # --- one step --------------------------------------------------------------------------------------
     def step(self) -> dict[str, Any]:
