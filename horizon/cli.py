@@ -324,7 +324,7 @@ def _cmd_train(args: argparse.Namespace) -> int:
     else:
         config = TrainConfig(steps=args.steps or 200, batch_size=args.batch_size, max_len=args.max_len, lr=args.lr,
                              warmup_steps=args.warmup, bf16=args.bf16, seed=args.seed, save_every=args.save_every,
-                             log_every=args.log_every, stage=args.stage)
+                             log_every=args.log_every, stage=args.stage, **_validation(args))
         tokenizer = load_tokenizer()
         if args.init:  # a checkpoint folder, or "bundled" (the shipped horizon-tiny)
             bundle = open_model(args.init, dtype=torch.float32)
@@ -395,17 +395,26 @@ def _cmd_rl(args: argparse.Namespace) -> int:
                   temperature=args.temperature, max_episode_steps=args.episode_steps, max_tokens=args.max_tokens,
                   indexer_loss=not args.no_indexer_loss, group_std=args.group_std, clip=args.clip,
                   micro_batch=args.micro_batch, train_flat=args.train_flat, guide=args.guide)
+    init, initial_model = (args.init if args.init == "bundled" else str(Path(args.init).resolve())), None
     if args.resume:  # the run's own settings; only --steps moves
         meta = json.loads(state.read_text())
         config = config_from_dict({**meta["config"], **({"steps": args.steps} if args.steps else {})})
         rl = RLConfig(**(meta.get("extra") or {}).get("rl", asdict(rl)))
+        init = (meta.get("extra") or {}).get("init")
+        if rl.kl_coef > 0:  # the KL anchor is the run's initial policy, not the weights it resumes from
+            if init is None:
+                print(f"horizon rl: warning: {state} does not record the checkpoint the run started from; the KL "
+                      "penalty is measured to the resumed weights from here on", file=sys.stderr)
+            else:
+                initial_model = open_model(init, dtype=torch.float32).model
     else:
         config = TrainConfig(steps=args.steps or 100, lr=args.lr, warmup_steps=args.warmup, seed=args.seed,
                              save_every=args.save_every, log_every=args.log_every, max_len=args.max_len,
-                             weight_decay=0.0)
+                             weight_decay=0.0, **_validation(args))
     engine = Engine(model, tokenizer, EngineConfig(max_num_seqs=min(64, args.prompts * args.group),
                                                    max_batch_tokens=4096), generation_config=generation_config)
-    trainer = RLTrainer(model, tokenizer, engine, config, rl, out, generation_config)
+    trainer = RLTrainer(model, tokenizer, engine, config, rl, out, generation_config, init=init,
+                        initial_model=initial_model)
     if args.resume:
         trainer.restore()
     print(f"horizon rl: {args.domains}, {args.prompts} tasks x {args.group} rollouts per step, "
@@ -483,6 +492,23 @@ def _add_max_minutes(p: argparse.ArgumentParser) -> None:
     """train and rl: a wall-clock budget, so runs compared "for the same compute" stop at the same time."""
     p.add_argument("--max-minutes", type=float, default=None,
                    help="stop (and checkpoint) once this much wall-clock time has passed: a compute budget")
+
+
+def _add_validation(p: argparse.ArgumentParser) -> None:
+    """train and rl: held-out accuracy measured during the run (TrainConfig.eval_every)."""
+    p.add_argument("--eval-every", type=int, default=0,
+                   help="greedy held-out accuracy per domain every N steps and before the first (0: off); "
+                        "logged to heldout.jsonl and plotted (train: horizon eval's limits; rl: the rollouts')")
+    p.add_argument("--eval-n", type=int, default=50, help="with --eval-every: held-out tasks per domain")
+    p.add_argument("--eval-seed", type=int, default=100_000,
+                   help="with --eval-every: first held-out seed (default: a range apart from horizon eval's)")
+    p.add_argument("--eval-tier", choices=["none", "low", "high", "max"], default="low",
+                   help="with --eval-every: the thinking tier")
+
+
+def _validation(args: argparse.Namespace) -> dict:
+    return {"eval_every": args.eval_every, "eval_n": args.eval_n, "eval_seed": args.eval_seed,
+            "eval_tier": None if args.eval_tier == "none" else args.eval_tier}
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -610,13 +636,15 @@ def build_parser() -> argparse.ArgumentParser:
                         "indexer-warmup (dense attention, only the DSA indexers learn); sparse (top-k on)")
     p.add_argument("--resume", action="store_true", help="continue the run in --out from its checkpoint")
     _add_max_minutes(p)
+    _add_validation(p)
     p.add_argument("--no-progress", action="store_true")
     p.set_defaults(func=_cmd_train)
 
     p = sub.add_parser("rl", help="joint RL across task domains (GRPO, per-domain reward normalisation)")
     p.add_argument("--out", required=True, help="run folder: checkpoint/, rl_log.jsonl, rl_curves.png")
     p.add_argument("--init", default="bundled", help="the SFT checkpoint to start from (default: the bundled model)")
-    p.add_argument("--domains", default="arithmetic,passkey-short,terminal,convert,image")
+    p.add_argument("--domains", default="arithmetic,passkey-short,terminal,convert,image",
+                   help="comma-separated task domains (horizon.tasks) trained jointly")
     p.add_argument("--ratios", default=None, help="domain sampling ratios, one per domain (default: equal)")
     p.add_argument("--adaptive", action="store_true", help="favour domains whose accuracy is neither ~0 nor ~1")
     p.add_argument("--steps", type=int, default=None, help="optimiser steps (default 100; with --resume: the new end)")
@@ -626,9 +654,10 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--thinking-cost", type=float, default=0.0,
                    help="cost of a whole thinking budget, in standard deviations of the domain's reward")
     p.add_argument("--kl", type=float, default=0.0, help="KL penalty to the initial policy (0: off)")
-    p.add_argument("--lr", type=float, default=1e-4)
-    p.add_argument("--warmup", type=int, default=5)
-    p.add_argument("--temperature", type=float, default=1.0)
+    p.add_argument("--lr", type=float, default=1e-4, help="peak learning rate (cosine after the warm-up)")
+    p.add_argument("--warmup", type=int, default=5, help="linear warm-up steps")
+    p.add_argument("--temperature", type=float, default=1.0,
+                   help="rollout sampling temperature; the loss's log-probabilities use the same")
     p.add_argument("--episode-steps", type=int, default=4, help="model calls per rollout")
     p.add_argument("--max-tokens", type=int, default=256, help="tokens per model call")
     p.add_argument("--max-len", type=int, default=2048, help="tokens per rollout in the loss")
@@ -646,8 +675,10 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--save-every", type=int, default=25)
     p.add_argument("--log-every", type=int, default=10, help="with --no-progress: a log line every N steps")
-    p.add_argument("--resume", action="store_true")
+    p.add_argument("--resume", action="store_true",
+                   help="continue the run in --out from its checkpoint, with its own settings (only --steps moves)")
     _add_max_minutes(p)
+    _add_validation(p)
     p.add_argument("--no-progress", action="store_true")
     p.set_defaults(func=_cmd_rl)
 

@@ -144,11 +144,16 @@ def test_a_tiny_rl_run_rolls_out_updates_and_resumes(tmp_path):
     args = ["rl", "--init", str(init), "--out", str(out), "--domains", "arithmetic,convert", "--prompts", "2",
             "--group", "2", "--tiers", "none,low", "--max-tokens", "12", "--episode-steps", "2", "--kl", "0.1",
             "--thinking-cost", "0.1", "--lr", "1e-3", "--save-every", "1", "--no-progress"]
-    assert main([*args, "--steps", "1"]) == 0
-    assert main([*args, "--steps", "2", "--resume"]) == 0
+    validation = ["--eval-every", "1", "--eval-n", "2", "--eval-tier", "none"]
+    assert main([*args, "--steps", "1", *validation]) == 0
+    assert main([*args, "--steps", "2", "--resume"]) == 0  # validates on: the run's own settings
     state = json.loads((out / "checkpoint" / "trainer_state" / "state.json").read_text())
     assert state["step"] == 2 and len(state["log"]) == 2
     assert state["extra"]["next_seed"] == 4  # two tasks per step, counted across the resume
+    # held-out validation before the first step and after each, not repeated at the resume
+    heldout = [json.loads(line) for line in (out / "heldout.jsonl").read_text().splitlines()]
+    assert [e["step"] for e in heldout] == [0, 1, 2] == [e["step"] for e in state["heldout"]]
+    assert all(set(e["domains"]) == {"arithmetic", "convert"} and e["domains"]["convert"]["n"] == 2 for e in heldout)
     # a spent compute budget stops the run after the step in progress, with a checkpoint
     assert main([*args, "--steps", "50", "--resume", "--max-minutes", "1e-9"]) == 0
     assert json.loads((out / "checkpoint" / "trainer_state" / "state.json").read_text())["step"] == 3
@@ -156,6 +161,25 @@ def test_a_tiny_rl_run_rolls_out_updates_and_resumes(tmp_path):
         assert entry["kl"] >= 0 and set(entry["domains"]) <= {"arithmetic", "convert"}
         assert sum(d["rollouts"] for d in entry["domains"].values()) == 4
     assert (out / "rl_curves.png").exists() and (out / "rl_log.jsonl").exists()
+
+
+def test_a_stopped_and_resumed_rl_run_repeats_the_uninterrupted_one(tmp_path):
+    """Same rollouts, same losses, same KL: the resumed run keeps its KL anchor at the initial policy (not
+    the weights it resumes from) and its sampler, task counter and reward statistics where they were."""
+    init = _saved_tiny(tmp_path)
+    args = ["rl", "--init", str(init), "--domains", "arithmetic", "--prompts", "2", "--group", "2",
+            "--max-tokens", "10", "--episode-steps", "1", "--kl", "1.0", "--lr", "3e-2", "--warmup", "0",
+            "--train-flat", "--no-progress"]
+    assert main([*args, "--out", str(tmp_path / "whole"), "--steps", "3"]) == 0
+    # stopped after its first step by a spent compute budget (a shorter --steps would change the schedule)
+    assert main([*args, "--out", str(tmp_path / "part"), "--steps", "3", "--max-minutes", "1e-9"]) == 0
+    assert main([*args, "--out", str(tmp_path / "part"), "--steps", "3", "--resume"]) == 0
+    logs = [json.loads((tmp_path / run / "checkpoint" / "trainer_state" / "state.json").read_text())["log"]
+            for run in ("whole", "part")]
+    assert logs[0][-1]["kl"] > 0  # the policy has moved from its anchor, so a moved anchor would show
+    for a, b in zip(*logs, strict=True):
+        for key in ("loss", "pg_loss", "kl", "tokens"):
+            assert a[key] == pytest.approx(b[key], rel=1e-4, abs=1e-7), (a["step"], key)
 
 
 def test_rl_and_train_start_from_the_bundled_mxfp4_model_and_keep_its_experts_as_served(tmp_path):

@@ -121,6 +121,29 @@ def test_train_command_runs_and_resumes(tmp_path, capsys):
     assert "nothing to train on" in capsys.readouterr().err
 
 
+def test_validation_during_a_run_measures_what_horizon_eval_measures(tmp_path, capsys):
+    """--eval-every: held-out accuracy before the first step and after each; the last is the number
+    `horizon eval` gives for the checkpoint the run wrote."""
+    out = tmp_path / "run"
+    assert main(["train", "--init", "bundled", "--out", str(out), "--domains", "arithmetic", "--per-domain", "4",
+                 "--batch-size", "2", "--steps", "1", "--lr", "1e-3", "--warmup", "0", "--eval-every", "1",
+                 "--eval-n", "2", "--eval-seed", "7", "--no-progress"]) == 0
+    heldout = [json.loads(line) for line in (out / "heldout.jsonl").read_text().splitlines()]
+    assert [e["step"] for e in heldout] == [0, 1]
+    capsys.readouterr()
+    assert main(["eval", "--model", str(out / "checkpoint"), "--domains", "arithmetic", "--n", "2", "--seed", "7",
+                 "--dtype", "float32", "--json"]) == 0
+    direct = json.loads(capsys.readouterr().out)["domains"]["arithmetic"]
+    got = heldout[-1]["domains"]["arithmetic"]
+    assert got["n"] == 2 and got["thinking_tokens"] > 0  # the bundled model thinks before it answers
+    assert (got["accuracy"], got["thinking_tokens"]) == (direct["accuracy"], direct["thinking_tokens"])
+    # a run on chats alone has no held-out split to validate on: a clear error, not a traceback
+    data = write_jsonl(tmp_path / "chats.jsonl", chats())
+    assert main(["train", "--out", str(tmp_path / "chats"), "--data", data, "--batch-size", "2", "--max-len", "64",
+                 "--steps", "1", "--eval-every", "1", "--no-progress"]) == 2
+    assert "no task domain to validate on" in capsys.readouterr().err
+
+
 def test_indexer_warmup_trains_only_the_indexer_toward_the_dense_attention(tmp_path):
     from horizon.model.dsa import GatedDSA
 

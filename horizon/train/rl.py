@@ -25,8 +25,9 @@ One step:
      or text a tokenizer would split differently, is trained on what it sampled), + kl_coef * the k3 estimate
      of KL to the initial policy (a frozen copy, kept only when kl_coef > 0), + the DSA indexers'
      sparse-stage KL; AdamW step, MoE bias balancing, as in supervised training.
-The checkpoint adds the reward statistics, the sampler's ratios and the task counter to the
-supervised trainer's state, so a run resumes exactly where it stopped.
+The checkpoint adds the reward statistics, the sampler's ratios, the task counter and the checkpoint the
+run started from (the KL's anchor, reloaded on resume) to the supervised trainer's state, so a run
+resumes exactly where it stopped.
 """
 
 from __future__ import annotations
@@ -175,7 +176,12 @@ class RLConfig:
 
 
 class RLTrainer(Trainer):
-    def __init__(self, model, tokenizer, engine, config: TrainConfig, rl: RLConfig, out_dir, generation_config=None):
+    def __init__(self, model, tokenizer, engine, config: TrainConfig, rl: RLConfig, out_dir, generation_config=None,
+                 init: str | None = None, initial_model=None):
+        """init: the checkpoint the run started from, recorded in its state. initial_model: the policy the
+        KL is measured to (default: a copy of `model`, which is that policy when the run is fresh; a
+        resumed run passes the `init` checkpoint's model, so the anchor does not move to the resumed
+        weights)."""
         from horizon.agent.local import EngineClient
         from horizon.tasks import get_domain
 
@@ -196,11 +202,12 @@ class RLTrainer(Trainer):
         self.engine = engine
         self.client = EngineClient(engine, tokenizer)
         self.budgets = engine.budgets
+        self.init = init
         self.reference = None
         if rl.kl_coef > 0:
             from horizon.train.trainer import set_stage
 
-            self.reference = copy.deepcopy(model).eval()
+            self.reference = copy.deepcopy(model if initial_model is None else initial_model).eval()
             set_stage(self.reference, "sft")  # no indexer losses in the reference's forwards
             for p in self.reference.parameters():
                 p.requires_grad_(False)
@@ -357,10 +364,20 @@ class RLTrainer(Trainer):
                                 reduction="none").view_as(targets)  # 0 where ignored
         return logp, mask
 
+    def heldout_domains(self) -> list[str]:
+        return list(self.rl.domains)
+
+    def eval_engine(self):
+        return self.engine
+
+    def eval_limits(self) -> tuple[int, int]:
+        """Validation runs under the rollouts' limits: the policy as it is trained, decoded greedily."""
+        return self.rl.max_episode_steps, self.rl.max_tokens
+
     # --- state -----------------------------------------------------------------------------------------
     def extra_state(self) -> dict[str, Any]:
         return {"normalizer": self.normalizer.stats, "accuracy": self.accuracy, "next_seed": self.next_seed,
-                "rl": asdict(self.rl)}
+                "rl": asdict(self.rl), "init": self.init}
 
     def load_extra_state(self, state: dict[str, Any]) -> None:
         self.normalizer.stats = {k: list(v) for k, v in state.get("normalizer", {}).items()}
@@ -372,9 +389,13 @@ class RLTrainer(Trainer):
     def plot(self, plt, window: int = 10):
         """Per domain: reward, accuracy, thinking tokens and mean |advantage| (the weight the domain gets in
         the gradient); and the KL to the initial policy. Faint: each step; solid: a rollout-weighted
-        moving average over `window` steps (a step holds only a few tasks per domain)."""
+        moving average over `window` steps (a step holds only a few tasks per domain). With validation
+        (eval_every), a sixth panel: greedy held-out accuracy, the number the sampled accuracy only hints at."""
         keys = ("reward", "accuracy", "thinking_tokens", "advantage_abs")
-        fig, axes = plt.subplots(1, 5, figsize=(20, 3.5))
+        panels = 6 if self.heldout else 5
+        fig, axes = plt.subplots(1, panels, figsize=(4 * panels, 3.5))
+        if self.heldout:
+            self.plot_heldout(axes[5])
         for k, name in enumerate(self.rl.domains):
             pts = [(e["step"], e["domains"][name]) for e in self.log if name in e["domains"]]
             steps = [s for s, _ in pts]
@@ -389,7 +410,7 @@ class RLTrainer(Trainer):
                 ax.plot(steps, smooth, color=f"C{k}", label=name)
         axes[4].plot([e["step"] for e in self.log], [e["kl"] for e in self.log])
         titles = ("reward", "accuracy", "thinking tokens", "mean |advantage|", "KL to the initial policy")
-        for ax, title in zip(axes, titles, strict=True):
+        for ax, title in zip(axes[:5], titles, strict=True):
             ax.set(xlabel="step", title=title)
         axes[0].legend()
         return fig

@@ -12,7 +12,10 @@ tokenizer) plus `trainer_state/state.safetensors` (AdamW moments by parameter na
 state, the mixture sampler's generator state) and `trainer_state/state.json` (step, config, what the
 data was built from, the log so far). No
 pickles. Resuming restores all of it, so a stopped-and-resumed run reproduces the uninterrupted
-run's losses exactly. The log is also written as `train_log.jsonl` and plotted to `train_curves.png`.
+run's losses exactly. The log is also written as `train_log.jsonl` and plotted to `train_curves.png`
+at every checkpoint. With `eval_every`, the run also measures greedy held-out accuracy per task domain
+(`horizon.eval.evaluate`, on a range of the held-out split apart from `horizon eval`'s) before its first
+step and every `eval_every` steps, into `heldout.jsonl` and the curves.
 """
 
 from __future__ import annotations
@@ -55,6 +58,13 @@ class TrainConfig:
     log_every: int = 10
     save_every: int = 100  # also at the end
     stage: str = "sft"
+    # held-out validation during the run: every eval_every steps (0: off), and once before the first step,
+    # eval_n greedy tasks per task domain from seed eval_seed of the held-out split. The default range
+    # starts far from `horizon eval`'s (seed 0), so the numbers a run is watched by are not its final test.
+    eval_every: int = 0
+    eval_n: int = 50
+    eval_seed: int = 100_000
+    eval_tier: str | None = "low"
 
     def validate(self) -> None:
         for name in ("steps", "batch_size", "max_len", "log_every", "save_every"):
@@ -67,6 +77,12 @@ class TrainConfig:
             raise ValueError("TrainConfig: warmup_steps, weight_decay, moe_bias_gamma must be >= 0 and grad_clip > 0")
         if self.stage not in STAGES:
             raise ValueError(f"TrainConfig.stage={self.stage!r}: allowed {', '.join(STAGES)}")
+        if not isinstance(self.eval_every, int) or self.eval_every < 0 or not isinstance(self.eval_n, int) \
+                or self.eval_n < 1 or not isinstance(self.eval_seed, int) or self.eval_seed < 0:
+            raise ValueError(f"TrainConfig: eval_every must be an integer >= 0, eval_n >= 1 and eval_seed >= 0, got "
+                             f"{self.eval_every!r}, {self.eval_n!r}, {self.eval_seed!r}")
+        if self.eval_tier not in (None, "low", "high", "max"):
+            raise ValueError(f"TrainConfig.eval_tier={self.eval_tier!r}: allowed low, high, max or None (thinking off)")
 
     def lr_at(self, step: int) -> float:
         """Learning rate of step `step` (0-based): linear warm-up, then cosine to lr * min_lr_ratio."""
@@ -125,6 +141,8 @@ class Trainer:
         self.step_idx = 0
         self.parts: dict[str, float] = {}  # the last step's loss terms and indexer statistics
         self.log: list[dict[str, Any]] = []
+        self.heldout: list[dict[str, Any]] = []  # the validation evaluations (config.eval_every)
+        self._engine = None  # built on the first validation
         self.sources_spec: dict[str, Any] | None = None  # what the data was built from (checked on resume)
         torch.manual_seed(config.seed)
 
@@ -205,6 +223,8 @@ class Trainer:
             task = bar.add_task("train", total=cfg.steps, completed=self.step_idx, loss="-")
             bar.start()
         try:
+            if cfg.eval_every and not self.heldout and self.step_idx < cfg.steps:
+                self.validate_heldout()  # where the run starts from
             while self.step_idx < cfg.steps:
                 entry = self.step()
                 if bar is not None:
@@ -214,6 +234,9 @@ class Trainer:
                         f"{k} {v:.4g}" for k, v in entry.items() if k != "step" and isinstance(v, float)),
                         file=sys.stderr, flush=True)
                 out_of_time = time.perf_counter() >= deadline
+                if cfg.eval_every and (self.step_idx % cfg.eval_every == 0 or self.step_idx == cfg.steps
+                                       or out_of_time):
+                    self.validate_heldout()
                 if self.step_idx % cfg.save_every == 0 or self.step_idx == cfg.steps or out_of_time:
                     self.save()
                 if out_of_time:
@@ -225,6 +248,62 @@ class Trainer:
                 bar.stop()
         self.write_log()
         return self.log
+
+    # --- held-out validation -----------------------------------------------------------------------
+    def heldout_domains(self) -> list[str]:
+        """The task domains validated on: the mixture's (a --data source has no held-out split)."""
+        return [name for name in self.mixture.names if name != "data"]
+
+    def eval_engine(self):
+        """The engine validation decodes with (the RL trainer has its own: the one that rolls out)."""
+        if self._engine is None:
+            from horizon.engine import Engine, EngineConfig
+
+            self._engine = Engine(self.model, self.tokenizer, EngineConfig(max_num_seqs=16, max_batch_tokens=2048),
+                                  generation_config=self.generation_config)
+        return self._engine
+
+    def eval_limits(self) -> tuple[int, int]:
+        """(model calls per task, tokens per call) in validation: `horizon eval`'s defaults."""
+        return 6, 512
+
+    def validate_heldout(self) -> dict[str, Any]:
+        """Greedy held-out accuracy (Wilson 95% interval) and thinking tokens per domain, as `horizon eval`
+        measures them, on config.eval_n tasks from config.eval_seed; appended to self.heldout, written to
+        heldout.jsonl and plotted. Its time counts toward max_minutes: it is part of the run's compute."""
+        from horizon.eval import evaluate
+
+        cfg = self.config
+        domains = self.heldout_domains()
+        if not domains:
+            raise ValueError("eval_every: the run has no task domain to validate on (--data has no held-out split)")
+        t0 = time.perf_counter()
+        engine = self.eval_engine()
+        self.model.eval()
+        engine.clear_prefix_cache()  # the weights changed since any cached state was computed
+        max_steps, max_tokens = self.eval_limits()
+        result = evaluate(engine, self.tokenizer, domains, n=cfg.eval_n, tier=cfg.eval_tier, max_steps=max_steps,
+                          max_tokens=max_tokens, seed=cfg.eval_seed)
+        entry = {"step": self.step_idx, "seconds": time.perf_counter() - t0,
+                 "domains": {name: {k: r[k] for k in ("accuracy", "ci95", "thinking_tokens", "n")}
+                             for name, r in result.items()}}
+        self.heldout.append(entry)
+        print(f"held-out at step {self.step_idx}: " + ", ".join(
+            f"{name} {r['accuracy']:.3f} [{r['ci95'][0]:.3f}, {r['ci95'][1]:.3f}]" for name, r in result.items()),
+            file=sys.stderr, flush=True)
+        return entry
+
+    def plot_heldout(self, ax) -> None:
+        """Held-out accuracy per domain with its 95% interval, on `ax`."""
+        names = sorted({name for e in self.heldout for name in e["domains"]})
+        for k, name in enumerate(names):
+            pts = [(e["step"], e["domains"][name]) for e in self.heldout if name in e["domains"]]
+            steps = [s for s, _ in pts]
+            ax.plot(steps, [d["accuracy"] for _, d in pts], "o-", color=f"C{k}", label=name)
+            ax.fill_between(steps, [d["ci95"][0] for _, d in pts], [d["ci95"][1] for _, d in pts],
+                            color=f"C{k}", alpha=0.15)
+        ax.set(xlabel="step", title=f"held-out accuracy (greedy, {self.config.eval_n} per domain)")
+        ax.legend()
 
     # --- state -------------------------------------------------------------------------------------
     @property
@@ -249,11 +328,12 @@ class Trainer:
         (tmp / TRAINER_STATE).mkdir()
         save_file({k: v.contiguous() for k, v in tensors.items()}, tmp / TRAINER_STATE / "state.safetensors")
         meta = {"step": self.step_idx, "config": asdict(self.config), "sources": self.sources_spec, "log": self.log,
-                "extra": self.extra_state()}
+                "heldout": self.heldout, "extra": self.extra_state()}
         (tmp / TRAINER_STATE / "state.json").write_text(json.dumps(meta, indent=1))
         if final.exists():
             _rmtree(final)
         tmp.rename(final)
+        self.write_log()  # so a running job's log and curves are never further behind than its checkpoint
         return final
 
     def restore(self, folder: str | Path | None = None) -> None:
@@ -270,6 +350,7 @@ class Trainer:
         torch.set_rng_state(tensors["rng.torch"])
         self.mixture.generator.set_state(tensors["rng.mixture"])
         self.step_idx, self.log = int(meta["step"]), list(meta["log"])
+        self.heldout = list(meta.get("heldout", []))
         self.load_extra_state(meta.get("extra") or {})
 
     def extra_state(self) -> dict[str, Any]:
@@ -287,6 +368,10 @@ class Trainer:
         with open(self.out / self.log_name, "w") as f:
             for entry in self.log:
                 f.write(json.dumps(entry) + "\n")
+        if self.heldout:
+            with open(self.out / "heldout.jsonl", "w") as f:
+                for entry in self.heldout:
+                    f.write(json.dumps(entry) + "\n")
         if not self.log:
             return
         import matplotlib
@@ -300,9 +385,12 @@ class Trainer:
         plt.close(fig)
 
     def plot(self, plt):
-        """Loss and throughput per step."""
+        """Loss and throughput per step; held-out accuracy when the run validated."""
         steps = [e["step"] for e in self.log]
-        fig, (a, b) = plt.subplots(1, 2, figsize=(10, 3.5))
+        fig, axes = plt.subplots(1, 3 if self.heldout else 2, figsize=(15 if self.heldout else 10, 3.5))
+        a, b = axes[:2]
+        if self.heldout:
+            self.plot_heldout(axes[2])
         a.plot(steps, [e["loss"] for e in self.log])
         a.set(xlabel="step", ylabel="loss (assistant tokens)", title="training loss")
         b.plot(steps, [e["tokens_per_s"] for e in self.log])
