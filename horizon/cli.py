@@ -411,13 +411,14 @@ def _cmd_rl(args: argparse.Namespace) -> int:
         config = TrainConfig(steps=args.steps or 100, lr=args.lr, warmup_steps=args.warmup, seed=args.seed,
                              save_every=args.save_every, log_every=args.log_every, max_len=args.max_len,
                              weight_decay=0.0, **_validation(args))
-    engine = Engine(model, tokenizer, EngineConfig(max_num_seqs=min(64, args.prompts * args.group),
+    # sized from the run's own settings (a resume's come from its state, not from the command line)
+    engine = Engine(model, tokenizer, EngineConfig(max_num_seqs=min(64, rl.prompts_per_step * rl.group_size),
                                                    max_batch_tokens=4096), generation_config=generation_config)
     trainer = RLTrainer(model, tokenizer, engine, config, rl, out, generation_config, init=init,
                         initial_model=initial_model)
     if args.resume:
         trainer.restore()
-    print(f"horizon rl: {args.domains}, {args.prompts} tasks x {args.group} rollouts per step, "
+    print(f"horizon rl: {','.join(rl.domains)}, {rl.prompts_per_step} tasks x {rl.group_size} rollouts per step, "
           f"step {trainer.step_idx} -> {config.steps}", flush=True)
     trainer.train(progress=not args.no_progress, max_minutes=args.max_minutes)
     print(f"done: checkpoint {trainer.checkpoint_dir}, log {out / 'rl_log.jsonl'}, plot {out / 'rl_curves.png'}")

@@ -138,7 +138,7 @@ def test_rollout_sequences_are_the_engines_own_tokens():
         rollout_examples([SimpleNamespace(response={"finish": "stop"})], [])
 
 
-def test_a_tiny_rl_run_rolls_out_updates_and_resumes(tmp_path):
+def test_a_tiny_rl_run_rolls_out_updates_and_resumes(tmp_path, capsys):
     init = _saved_tiny(tmp_path)
     out = tmp_path / "rl"
     args = ["rl", "--init", str(init), "--out", str(out), "--domains", "arithmetic,convert", "--prompts", "2",
@@ -146,7 +146,11 @@ def test_a_tiny_rl_run_rolls_out_updates_and_resumes(tmp_path):
             "--thinking-cost", "0.1", "--lr", "1e-3", "--save-every", "1", "--no-progress"]
     validation = ["--eval-every", "1", "--eval-n", "2", "--eval-tier", "none"]
     assert main([*args, "--steps", "1", *validation]) == 0
-    assert main([*args, "--steps", "2", "--resume"]) == 0  # validates on: the run's own settings
+    capsys.readouterr()
+    # a resume with no other options: the run's own settings, validation included (and the engine is sized
+    # from them, not from the command line's defaults)
+    assert main(["rl", "--out", str(out), "--steps", "2", "--resume", "--no-progress"]) == 0
+    assert "arithmetic,convert, 2 tasks x 2 rollouts per step, step 1 -> 2" in capsys.readouterr().out
     state = json.loads((out / "checkpoint" / "trainer_state" / "state.json").read_text())
     assert state["step"] == 2 and len(state["log"]) == 2
     assert state["extra"]["next_seed"] == 4  # two tasks per step, counted across the resume
