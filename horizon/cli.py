@@ -395,18 +395,10 @@ def _cmd_rl(args: argparse.Namespace) -> int:
                   temperature=args.temperature, max_episode_steps=args.episode_steps, max_tokens=args.max_tokens,
                   indexer_loss=not args.no_indexer_loss, group_std=args.group_std, clip=args.clip,
                   micro_batch=args.micro_batch, train_flat=args.train_flat, guide=args.guide)
-    init, initial_model = (args.init if args.init == "bundled" else str(Path(args.init).resolve())), None
     if args.resume:  # the run's own settings; only --steps moves
         meta = json.loads(state.read_text())
         config = config_from_dict({**meta["config"], **({"steps": args.steps} if args.steps else {})})
         rl = RLConfig(**(meta.get("extra") or {}).get("rl", asdict(rl)))
-        init = (meta.get("extra") or {}).get("init")
-        if rl.kl_coef > 0:  # the KL anchor is the run's initial policy, not the weights it resumes from
-            if init is None:
-                print(f"horizon rl: warning: {state} does not record the checkpoint the run started from; the KL "
-                      "penalty is measured to the resumed weights from here on", file=sys.stderr)
-            else:
-                initial_model = open_model(init, dtype=torch.float32).model
     else:
         config = TrainConfig(steps=args.steps or 100, lr=args.lr, warmup_steps=args.warmup, seed=args.seed,
                              save_every=args.save_every, log_every=args.log_every, max_len=args.max_len,
@@ -414,8 +406,8 @@ def _cmd_rl(args: argparse.Namespace) -> int:
     # sized from the run's own settings (a resume's come from its state, not from the command line)
     engine = Engine(model, tokenizer, EngineConfig(max_num_seqs=min(64, rl.prompts_per_step * rl.group_size),
                                                    max_batch_tokens=4096), generation_config=generation_config)
-    trainer = RLTrainer(model, tokenizer, engine, config, rl, out, generation_config, init=init,
-                        initial_model=initial_model)
+    init = args.init if args.init == "bundled" else str(Path(args.init).resolve())  # a resume: the state's
+    trainer = RLTrainer(model, tokenizer, engine, config, rl, out, generation_config, init=init)
     if args.resume:
         trainer.restore()
     print(f"horizon rl: {','.join(rl.domains)}, {rl.prompts_per_step} tasks x {rl.group_size} rollouts per step, "

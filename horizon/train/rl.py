@@ -35,6 +35,7 @@ from __future__ import annotations
 import copy
 import math
 import random
+import sys
 import time
 from dataclasses import asdict, dataclass, field
 from typing import Any
@@ -177,11 +178,9 @@ class RLConfig:
 
 class RLTrainer(Trainer):
     def __init__(self, model, tokenizer, engine, config: TrainConfig, rl: RLConfig, out_dir, generation_config=None,
-                 init: str | None = None, initial_model=None):
-        """init: the checkpoint the run started from, recorded in its state. initial_model: the policy the
-        KL is measured to (default: a copy of `model`, which is that policy when the run is fresh; a
-        resumed run passes the `init` checkpoint's model, so the anchor does not move to the resumed
-        weights)."""
+                 init: str | None = None):
+        """init: the checkpoint the run started from ("bundled" or a folder), recorded in its state: the KL's
+        anchor is a copy of `model` now, and restore() reloads it from there, not from the resumed weights."""
         from horizon.agent.local import EngineClient
         from horizon.tasks import get_domain
 
@@ -207,7 +206,7 @@ class RLTrainer(Trainer):
         if rl.kl_coef > 0:
             from horizon.train.trainer import set_stage
 
-            self.reference = copy.deepcopy(model if initial_model is None else initial_model).eval()
+            self.reference = copy.deepcopy(model).eval()
             set_stage(self.reference, "sft")  # no indexer losses in the reference's forwards
             for p in self.reference.parameters():
                 p.requires_grad_(False)
@@ -383,6 +382,15 @@ class RLTrainer(Trainer):
         self.normalizer.stats = {k: list(v) for k, v in state.get("normalizer", {}).items()}
         self.accuracy.update(state.get("accuracy", {}))
         self.next_seed = int(state.get("next_seed", self.next_seed))
+        self.init = state.get("init")
+        if self.reference is not None:  # the KL anchor is the run's initial policy, not the resumed weights
+            if self.init is None:
+                print("horizon rl: warning: the run's state does not record the checkpoint it started from; the "
+                      "KL penalty is measured to the resumed weights from here on", file=sys.stderr)
+            else:
+                from horizon.checkpoint import open_model
+
+                self.reference.load_state_dict(open_model(self.init, dtype=torch.float32).model.state_dict())
 
     log_name, plot_name = "rl_log.jsonl", "rl_curves.png"
 

@@ -222,6 +222,7 @@ class Trainer:
                            TextColumn("loss {task.fields[loss]}"), TimeRemainingColumn())
             task = bar.add_task("train", total=cfg.steps, completed=self.step_idx, loss="-")
             bar.start()
+        saved = False  # the last thing the loop did was a checkpoint, which also wrote the log
         try:
             if cfg.eval_every and not self.heldout and self.step_idx < cfg.steps:
                 self.validate_heldout()  # where the run starts from
@@ -237,7 +238,8 @@ class Trainer:
                 if cfg.eval_every and (self.step_idx % cfg.eval_every == 0 or self.step_idx == cfg.steps
                                        or out_of_time):
                     self.validate_heldout()
-                if self.step_idx % cfg.save_every == 0 or self.step_idx == cfg.steps or out_of_time:
+                saved = self.step_idx % cfg.save_every == 0 or self.step_idx == cfg.steps or out_of_time
+                if saved:
                     self.save()
                 if out_of_time:
                     print(f"stopped at step {self.step_idx}/{cfg.steps}: the {max_minutes:g}-minute budget is spent",
@@ -246,7 +248,8 @@ class Trainer:
         finally:
             if bar is not None:
                 bar.stop()
-        self.write_log()
+        if not saved:
+            self.write_log()
         return self.log
 
     # --- held-out validation -----------------------------------------------------------------------
