@@ -210,6 +210,42 @@ def test_rl_and_train_start_from_the_bundled_mxfp4_model_and_keep_its_experts_as
         assert any(not torch.equal(trained[k], shipped[k]) for k in shipped if part in k)
 
 
+def test_the_loss_scores_rollouts_with_the_log_probabilities_the_engine_sampled_them_from():
+    """On-policy means the trainer's forward (padded batch, chunkwise KDA, sparse selection over the whole
+    sequence) gives the probabilities the engine's batched decode (recurrent KDA, DSA over its cache) drew
+    each token from; a mismatch would bias every update (the training-inference mismatch of RL systems).
+    The bundled MXFP4 model, on prompts longer than its sparse top-k, sampled at temperature 1."""
+    from horizon.chat.template import ChatTemplate
+    from horizon.checkpoint import open_model
+    from horizon.engine import Engine, EngineConfig
+    from horizon.engine.params import Request, SamplingParams, TokenEvent
+    from horizon.tasks import get_domain
+
+    bundle = open_model("bundled", dtype=torch.float32)  # as horizon rl opens it
+    model, tokenizer = bundle.model, bundle.tokenizer
+    engine = Engine(model, tokenizer, EngineConfig(max_num_seqs=8, max_batch_tokens=2048),
+                    generation_config=bundle.generation_config)
+    template = ChatTemplate(tokenizer)
+    requests = []
+    for domain in ("passkey-short", "recall"):
+        for seed in range(3):
+            prompt = template.render(get_domain(domain).generate(seed, "train").messages, tier="low",
+                                     add_generation_prompt=True).ids
+            requests.append(Request(list(prompt), SamplingParams(max_tokens=48, temperature=1.0, logprobs=0,
+                                                                 tier="low", seed=seed)))
+    assert max(len(r.prompt_ids) for r in requests) > model.config.index_topk  # the sparse selection is used
+    results = engine.generate(requests)
+    examples = [Example(q.prompt_ids + r.token_ids, [False] * len(q.prompt_ids) + [True] * len(r.token_ids))
+                for q, r in zip(requests, results, strict=True)]
+    model.train()  # as in the update
+    with torch.no_grad():
+        logp, mask = RLTrainer._token_logprobs(model, collate(examples, 4096, model.config, tokenizer.special.image))
+    for row, (m, result) in enumerate(zip(mask.bool(), results, strict=True)):
+        sampled = torch.tensor([e.logprob for e in result.events if isinstance(e, TokenEvent)])
+        assert len(sampled) == len(result.token_ids) == int(m.sum())
+        torch.testing.assert_close(logp[row][m], sampled, atol=1e-4, rtol=0)
+
+
 def test_skipping_rollouts_with_no_advantage_leaves_the_policy_gradient_unchanged(tmp_path, monkeypatch):
     """Near the ceiling most groups score alike; the update skips their rollouts, which must change nothing
     in the policy gradient (their weight is 0 and the others' weights are computed over all rollouts)."""
