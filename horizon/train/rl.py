@@ -369,9 +369,9 @@ class RLTrainer(Trainer):
     def eval_engine(self):
         return self.engine
 
-    def eval_limits(self) -> tuple[int, int]:
+    def eval_limits(self) -> dict[str, int]:
         """Validation runs under the rollouts' limits: the policy as it is trained, decoded greedily."""
-        return self.rl.max_episode_steps, self.rl.max_tokens
+        return {"max_steps": self.rl.max_episode_steps, "max_tokens": self.rl.max_tokens}
 
     # --- state -----------------------------------------------------------------------------------------
     def extra_state(self) -> dict[str, Any]:

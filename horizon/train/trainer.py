@@ -266,9 +266,9 @@ class Trainer:
                                   generation_config=self.generation_config)
         return self._engine
 
-    def eval_limits(self) -> tuple[int, int]:
-        """(model calls per task, tokens per call) in validation: `horizon eval`'s defaults."""
-        return 6, 512
+    def eval_limits(self) -> dict[str, int]:
+        """evaluate()'s max_steps / max_tokens in validation; none given: its defaults, `horizon eval`'s."""
+        return {}
 
     def validate_heldout(self) -> dict[str, Any]:
         """Greedy held-out accuracy (Wilson 95% interval) and thinking tokens per domain, as `horizon eval`
@@ -284,9 +284,8 @@ class Trainer:
         engine = self.eval_engine()
         self.model.eval()
         engine.clear_prefix_cache()  # the weights changed since any cached state was computed
-        max_steps, max_tokens = self.eval_limits()
-        result = evaluate(engine, self.tokenizer, domains, n=cfg.eval_n, tier=cfg.eval_tier, max_steps=max_steps,
-                          max_tokens=max_tokens, seed=cfg.eval_seed)
+        result = evaluate(engine, self.tokenizer, domains, n=cfg.eval_n, tier=cfg.eval_tier, seed=cfg.eval_seed,
+                          **self.eval_limits())
         entry = {"step": self.step_idx, "seconds": time.perf_counter() - t0,
                  "domains": {name: {k: r[k] for k in ("accuracy", "ci95", "thinking_tokens", "n")}
                              for name, r in result.items()}}
