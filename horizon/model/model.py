@@ -42,7 +42,15 @@ class Block(nn.Module):
         self.mlp = MoE(cfg) if cfg.is_moe_layer(layer_idx) else MLP(cfg.hidden_size, cfg.intermediate_size)
 
     def forward(self, h: torch.Tensor, batch: Batch, cache: HorizonCache | None) -> torch.Tensor:
-        h = h + self.attn(self.attn_norm(h), batch, cache)
+        x = self.attn_norm(h)
+        parts = batch.split_decode() if cache is not None else [(batch, None)]
+        if len(parts) == 1:
+            h = h + self.attn(x, batch, cache)
+        else:  # a mixed engine step: decode rows and prompt chunks go through the mixer apart (Batch)
+            mixed = torch.empty_like(x)
+            for sub, idx in parts:
+                mixed[idx] = self.attn(x[idx], sub, cache)
+            h = h + mixed
         return h + self.mlp(self.mlp_norm(h))
 
 
