@@ -82,9 +82,11 @@ class Batch:
         """[(sub-batch, its flat token indices [n])]: decode steps apart from longer runs, when both are here.
 
         The sequence mixers pad to [B, T]: in a step that admits a prompt chunk of T tokens while 63
-        others decode, each decode step would be computed T times over (25x the indexer scores and
-        the KDA work, measured in `horizon eval --batch 64`). Run as two groups, decode rows stay
-        [B_d, 1]. Each sequence's numbers are the same either way; a uniform batch is one part.
+        others decode, each decode row would be computed T times over (a sample of `horizon eval
+        --batch 64` caught the indexer scoring [64, 25] query rows for one 25-token chunk).
+        Run as two groups, decode rows stay [B_d, 1] (bench/mixed_step.py: 2.3x at T = 16, 13x at
+        256). Each sequence's numbers are the same either way. A batch without both kinds is one
+        part, [(self, None)].
         """
         if self._parts is None:
             one = self.lens == 1
