@@ -44,26 +44,26 @@ def test_chunked_prefill_then_decode_equals_full_forward_for_a_ragged_batch(topk
     assert cache.lens.tolist() == lens
 
 
-
 def test_a_mixed_step_runs_decode_rows_apart_from_prompt_chunks_with_the_same_numbers(monkeypatch):
     model = tiny_model(index_topk=16)  # sparse DSA: the indexer path is the one padding made slow
     ids = torch.randint(0, model.config.vocab_size, (4, 40))
-    lens = [1, 12, 1, 7]
-    batch = Batch.build(lens, start=[30, 3, 25, 10], slots=[0, 1, 2, 3])
+    lens, starts = [1, 12, 1, 7], [30, 3, 25, 10]  # two decode rows between two prompt chunks
+    batch = Batch.build(lens, start=starts, slots=[0, 1, 2, 3])
     (dec, dec_idx), (rest, rest_idx) = batch.split_decode()
     assert dec.lens.tolist() == [1, 1] and dec.slots.tolist() == [0, 2] and dec.start.tolist() == [30, 25]
     assert rest.lens.tolist() == [12, 7] and rest.slots.tolist() == [1, 3] and rest.start.tolist() == [3, 10]
     assert dec_idx.tolist() == [0, 13] and rest_idx.tolist() == [1, *range(2, 13), *range(14, 21)]
     assert len(Batch.build([1, 1, 0]).split_decode()) == 1 and len(Batch.build([4, 2]).split_decode()) == 1
 
+    step_rows = (torch.repeat_interleave(torch.arange(4), torch.tensor(lens)),
+                 torch.cat([torch.arange(s, s + n) for s, n in zip(starts, lens, strict=True)]))
+
     def one_step(split: bool):
         if not split:  # the padded [B, T] layout for everyone: the reference for the split
             monkeypatch.setattr(Batch, "split_decode", lambda self: [(self, None)])
         cache = model.new_cache(4, 40)
-        model(ids[:, :30], cache=cache, lengths=[30, 3, 25, 10])
-        step = Batch.build(lens, start=cache.lens, slots=[0, 1, 2, 3])
-        tokens = torch.cat([ids[b, s:s + n] for b, (s, n) in enumerate(zip([30, 3, 25, 10], lens, strict=True))])
-        out = model.forward_batch(tokens, step, cache)
+        model(ids[:, :30], cache=cache, lengths=starts)
+        out = model.forward_batch(ids[step_rows], Batch.build(lens, start=starts, slots=[0, 1, 2, 3]), cache)
         monkeypatch.undo()
         return out, cache
 
@@ -72,9 +72,9 @@ def test_a_mixed_step_runs_decode_rows_apart_from_prompt_chunks_with_the_same_nu
         split, cache = one_step(True)
         padded, _ = one_step(False)
     torch.testing.assert_close(split, padded, atol=1e-5, rtol=0)
-    want = torch.cat([full[b, s:s + n] for b, (s, n) in enumerate(zip([30, 3, 25, 10], lens, strict=True))])
-    torch.testing.assert_close(split, want, atol=1e-4, rtol=0)
+    torch.testing.assert_close(split, full[step_rows], atol=1e-4, rtol=0)
     assert cache.lens.tolist() == [31, 15, 26, 17]
+
 
 def test_a_batch_equals_each_sequence_alone():
     model = tiny_model()

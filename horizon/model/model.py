@@ -43,14 +43,14 @@ class Block(nn.Module):
 
     def forward(self, h: torch.Tensor, batch: Batch, cache: HorizonCache | None) -> torch.Tensor:
         x = self.attn_norm(h)
-        parts = batch.split_decode() if cache is not None else [(batch, None)]
-        if len(parts) == 1:
-            h = h + self.attn(x, batch, cache)
-        else:  # a mixed engine step: decode rows and prompt chunks go through the mixer apart (Batch)
+        parts = batch.split_decode() if cache is not None else []  # only engine steps mix decode and prefill
+        if len(parts) < 2:
+            mixed = self.attn(x, batch, cache)
+        else:  # decode rows and prompt chunks go through the mixer apart (Batch.split_decode)
             mixed = torch.empty_like(x)
             for sub, idx in parts:
                 mixed[idx] = self.attn(x[idx], sub, cache)
-            h = h + mixed
+        h = h + mixed
         return h + self.mlp(self.mlp_norm(h))
 
 
