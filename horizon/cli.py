@@ -7,8 +7,8 @@
     horizon chat [--model PATH] [--tier ...]                 an interactive conversation (full history kept)
     horizon serve [--model PATH] [--host H] [--port P] ...   the OpenAI/Anthropic-compatible server
 
---model defaults to the bundled model (the tiny preset with fixed random weights until a trained
-one ships): it speaks the chat format's tokens, not sense.
+--model defaults to the bundled model, horizon-tiny (the `mini` preset trained here on CPU, MXFP4
+experts); `--model tiny-random` is the random-weight model the tests use.
 """
 
 from __future__ import annotations
@@ -192,10 +192,11 @@ def _cmd_chat(args: argparse.Namespace) -> int:
         messages.append(parser.result().to_message())
 
 
-def _build_app(model: str | None, served_model_name: str | None = None, api_key: str | None = None,
+def _build_app(model: str | None, served_model_name: str | None = None, api_keys: dict[str, str] | None = None,
                history_policy: str = "reject", signature_key_file: str | None = None, max_num_seqs: int = 16,
                max_model_len: int | None = None, max_batch_tokens: int = 512, coverage_every: int = 64,
-               max_queue: int = 64, max_body_bytes: int = 16 * 1024 * 1024, local_images: str | None = None):
+               max_queue: int = 64, max_body_bytes: int = 16 * 1024 * 1024, local_images: str | None = None,
+               thinking_store_mb: float = 64):
     """(the FastAPI app over one engine, the served model id, the checkpoint's source)."""
     import os
 
@@ -214,24 +215,43 @@ def _build_app(model: str | None, served_model_name: str | None = None, api_key:
 
     limits = ImageLimits(allow_local_files=True, local_root=local_images) if local_images else ImageLimits()
     service = ModelService(engine, bundle.tokenizer, model_id, history_policy=history_policy, max_queue=max_queue,
-                           image_limits=limits)
-    app = create_app(service, ServerSettings(api_key=api_key, max_body_bytes=max_body_bytes,
+                           image_limits=limits, turn_store_bytes=int(thinking_store_mb * 1024**2))
+    app = create_app(service, ServerSettings(api_keys=api_keys or {}, max_body_bytes=max_body_bytes,
                                              signature_key_file=signature_key_file))
     return app, model_id, bundle.source
 
 
-def _cmd_serve(args: argparse.Namespace) -> int:
+def _api_keys(args: argparse.Namespace) -> dict[str, str]:
+    """key -> tenant from --api-key (each its own tenant), --api-keys-file and $HORIZON_API_KEY."""
     import os
+
+    from horizon.server import read_keys_file
+    from horizon.server.app import tenant_of_key
+
+    keys = {k: tenant_of_key(k) for k in args.api_key or [os.environ.get("HORIZON_API_KEY") or ""] if k}
+    if args.api_keys_file:
+        try:
+            keys.update(read_keys_file(args.api_keys_file))
+        except (OSError, ValueError) as e:
+            raise SystemExit(f"horizon serve: --api-keys-file: {e}") from None
+    return keys
+
+
+def _cmd_serve(args: argparse.Namespace) -> int:
 
     import uvicorn
 
-    api_key = args.api_key or os.environ.get("HORIZON_API_KEY") or None
-    app, model_id, source = _build_app(args.model, args.served_model_name, api_key, args.history_policy,
-                                       args.signature_key_file, args.max_num_seqs, args.max_model_len,
-                                       args.max_batch_tokens, args.coverage_every, args.max_queue,
-                                       args.max_body_bytes, args.allow_local_images)
+    keys = _api_keys(args)
+    try:
+        app, model_id, source = _build_app(args.model, args.served_model_name, keys, args.history_policy,
+                                           args.signature_key_file, args.max_num_seqs, args.max_model_len,
+                                           args.max_batch_tokens, args.coverage_every, args.max_queue,
+                                           args.max_body_bytes, args.allow_local_images, args.thinking_store_mb)
+    except ValueError as e:  # a setting the model or engine cannot take (e.g. --max-model-len past the window)
+        raise SystemExit(f"horizon serve: {e}") from None
     print(f"horizon serve: {model_id} ({source}) on http://{args.host}:{args.port} "
-          f"(OpenAI /v1/chat/completions, Anthropic /v1/messages; auth {'on' if api_key else 'off'})", flush=True)
+          f"(OpenAI /v1/chat/completions, Anthropic /v1/messages; "
+          f"auth {f'on, {len(set(keys.values()))} tenant(s)' if keys else 'off'})", flush=True)
     uvicorn.run(app, host=args.host, port=args.port, log_level=args.log_level, timeout_graceful_shutdown=30)
     return 0
 
@@ -267,7 +287,8 @@ def _cmd_agent(args: argparse.Namespace) -> int:
 
             # thinking signatures only need to verify within this run: a throwaway key
             keys = stack.enter_context(tempfile.TemporaryDirectory(prefix="horizon-agent-"))
-            app, model_id, source = _build_app(args.model, api_key=api_key, max_num_seqs=4,
+            app, model_id, source = _build_app(args.model, api_keys={api_key: "agent"} if api_key else None,
+                                               max_num_seqs=4,
                                                signature_key_file=os.path.join(keys, "signature.key"))
             server = stack.enter_context(BackgroundServer(app))
             base_url = server.url
@@ -558,13 +579,22 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--served-model-name", default=None, help="the model id the APIs report")
     p.add_argument("--host", default="127.0.0.1")
     p.add_argument("--port", type=int, default=8000)
-    p.add_argument("--api-key", default=None, help="require this key (default: $HORIZON_API_KEY, else none)")
+    p.add_argument("--api-key", action="append", default=None,
+                   help="require this key; repeat for several, each a tenant of its own (stored thinking is kept "
+                        "per tenant; default: $HORIZON_API_KEY, else no authentication)")
+    p.add_argument("--api-keys-file", default=None, metavar="FILE",
+                   help="more keys, one per line: KEY or TENANT:KEY (keys naming one tenant share it)")
     p.add_argument("--history-policy", choices=["reject", "strict", "warn"], default="reject",
-                   help="what to do with tool-call turns that lost their thinking (DESIGN 3)")
+                   help="what to do with tool-call turns that lost their thinking and that the server cannot "
+                        "restore from its own memory (DESIGN 3)")
+    p.add_argument("--thinking-store-mb", type=float, default=64,
+                   help="memory for the thinking turns kept to restore for clients that drop them (0: off)")
     p.add_argument("--signature-key-file", default=None,
                    help="HMAC key for thinking signatures (default: ~/.local/state/horizon/thinking-signature.key)")
     p.add_argument("--max-num-seqs", type=int, default=16, help="sequences decoded together")
-    p.add_argument("--max-model-len", type=int, default=None, help="context window served (default: the model's)")
+    p.add_argument("--max-model-len", type=int, default=None,
+                   help="context window served (default: the model's, at most 32768); larger than the model's is "
+                        "an error")
     p.add_argument("--max-batch-tokens", type=int, default=512, help="tokens per forward (chunked prefill)")
     p.add_argument("--max-queue", type=int, default=64, help="waiting requests before 429/529")
     p.add_argument("--max-body-bytes", type=int, default=16 * 1024 * 1024)

@@ -2,29 +2,53 @@
 
 from __future__ import annotations
 
+from collections.abc import Callable
+from contextlib import contextmanager
+
 from horizon.checkpoint import open_model
 from horizon.engine import Engine, EngineConfig
-from horizon.server import ModelService, ServerSettings, create_app
+from horizon.server import ServerSettings, create_app
 from horizon.server.background import BackgroundServer
+from horizon.serving import ModelService
 
 
 class LiveServer(BackgroundServer):
     """`with LiveServer(tmp_path, api_key="k") as srv: srv.url ...`; srv.engine / srv.service / srv.app.
 
+    `api_keys` (key -> tenant) adds keys of named tenants.
     `generation_config` entries override the bundled model's (e.g. `{"thinking_budgets": {"low": 4}}`:
     small tier budgets keep thinking requests short on the random model, which never stops thinking).
     """
 
     def __init__(self, key_dir, api_key: str | None = "test-key", history_policy: str = "reject",
                  max_queue: int = 64, engine_config: EngineConfig | None = None, max_body_bytes: int = 1 << 20,
-                 generation_config: dict | None = None):
+                 generation_config: dict | None = None, api_keys: dict[str, str] | None = None):
         bundle = open_model("tiny-random")
         self.engine = Engine(bundle.model, bundle.tokenizer,
                              engine_config or EngineConfig(max_num_seqs=4, max_model_len=2048, max_batch_tokens=256),
                              generation_config={**bundle.generation_config, **(generation_config or {})})
         self.service = ModelService(self.engine, bundle.tokenizer, "horizon-test", history_policy=history_policy,
                                     max_queue=max_queue)
-        self.app = create_app(self.service, ServerSettings(api_key=api_key, max_body_bytes=max_body_bytes,
+        self.app = create_app(self.service, ServerSettings(api_key=api_key, api_keys=api_keys or {},
+                                                           max_body_bytes=max_body_bytes,
                                                            signature_key_file=str(key_dir / "signature.key")))
         self.api_key = api_key
         super().__init__(self.app)
+
+
+@contextmanager
+def engine_requests(server: LiveServer, change: Callable | None = None):
+    """The requests the engine gets below the serving seam, in order (a list, filled as they come); `change`
+    may replace each one first (steer the random model the way a trained one would choose)."""
+    seen, open_stream = [], server.engine.open_stream
+
+    def hook(request):
+        request = change(request) if change else request
+        seen.append(request)
+        return open_stream(request)
+
+    server.engine.open_stream = hook
+    try:
+        yield seen
+    finally:
+        del server.engine.open_stream

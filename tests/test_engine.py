@@ -88,13 +88,14 @@ def test_thinking_cap_is_exact_and_the_answer_follows(model):
     prompt = ChatTemplate(TOK).render([{"role": "user", "content": "hi"}], tier="low",
                                       add_generation_prompt=True).ids
     res = engine(model).generate([Request(prompt, params)])[0]
-    assert res.token_ids[budget] == think_end and think_end not in res.token_ids[:budget]
+    # the budget counts the end of thinking, as reasoning_tokens does: budget - 1 free tokens, then the end
+    assert res.token_ids[budget - 1] == think_end and think_end not in res.token_ids[:budget - 1]
     assert [ev.forced for ev in res.events if isinstance(ev, TokenEvent)].count(True) == 1
     reasoning = "".join(d.text for ev in res.events for d in getattr(ev, "deltas", []) if isinstance(d, ReasoningDelta))
     text = "".join(d.text for ev in res.events for d in getattr(ev, "deltas", []) if isinstance(d, TextDelta))
-    assert reasoning == TOK.decode(res.token_ids[:budget])
-    assert text == TOK.decode(res.token_ids[budget + 1:]) and len(res.token_ids) == 15
-    assert res.usage.reasoning_tokens == budget + 1 and res.usage.completion_tokens == 15
+    assert reasoning == TOK.decode(res.token_ids[:budget - 1])
+    assert text == TOK.decode(res.token_ids[budget:]) and len(res.token_ids) == 15
+    assert res.usage.reasoning_tokens == budget and res.usage.completion_tokens == 15
 
 
 def test_tier_budgets_come_from_the_generation_config(model):
@@ -105,8 +106,8 @@ def test_tier_budgets_come_from_the_generation_config(model):
         params = SamplingParams(max_tokens=12, temperature=0, ignore_eos=True, tier=tier,
                                 logit_bias={think_end: -100.0})
         res = e.generate([Request(prompts(6)[0], params)])[0]
-        assert res.token_ids.index(think_end) == cap
-    assert e.stats.thinking_tokens == {"low": 3, "high": 9, "max": 0}
+        assert res.token_ids.index(think_end) == cap - 1 and res.usage.reasoning_tokens == cap
+    assert e.stats.thinking_tokens == {"low": 2, "high": 8, "max": 0}  # thinking text, the end not counted
 
 
 def test_prefix_reuse_resumes_a_turn_with_the_logits_of_a_full_prefill(model):

@@ -44,7 +44,8 @@ def test_engine_client_marks_the_tokens_the_engine_forced():
     _, turn = client.complete(StepRequest([{"role": "user", "content": "hi"}], [], tier="low", max_tokens=20,
                                           temperature=0.0))
     ids, forced = turn.response["token_ids"], turn.response["forced"]
-    assert forced == [8] and ids[8] == bundle.tokenizer.special.think_end  # the random model thinks to the cap
+    # the random model thinks to the cap: 7 tokens, then the end the engine forces (the budget of 8 counts it)
+    assert forced == [7] and ids[7] == bundle.tokenizer.special.think_end and turn.usage.reasoning_tokens == 8
     _, turn = client.complete(StepRequest([{"role": "user", "content": "hi"}], [], max_tokens=6, temperature=0.0))
     assert turn.response["forced"] == []  # thinking off: nothing is forced
 

@@ -43,7 +43,9 @@ def special(srv, name: str) -> str:
 
 
 def chat(client, **kw):
-    return client.chat.completions.create(**{"model": MODEL, "messages": USER, "max_tokens": 16, **kw})
+    extra = {k: kw.pop(k) for k in ("thinking_budget",) if k in kw}  # Horizon fields the SDK has no argument for
+    return client.chat.completions.create(**{"model": MODEL, "messages": USER, "max_tokens": 16, **kw},
+                                          extra_body=extra or None)
 
 
 def error_of(exc: openai.APIStatusError) -> dict:
@@ -173,7 +175,9 @@ def test_max_tokens_defaults_to_what_the_window_leaves(srv, client):
     assert r.usage.completion_tokens == 3 and r.choices[0].finish_reason == "length"
     with pytest.raises(openai.BadRequestError) as e:
         client.chat.completions.create(model=MODEL, messages=user_turn(window))
-    assert f"the prompt is {window} tokens and max_tokens is 1" in error_of(e.value)["message"]
+    err = error_of(e.value)
+    assert err["code"] == "context_length_exceeded" and err["param"] == "messages", err
+    assert f"maximum context length is {window} tokens. However, your messages resulted in {window}" in err["message"]
 
 
 # --- tools and formats -------------------------------------------------------------------------------------
@@ -215,16 +219,27 @@ def test_tool_choice_none_keeps_the_model_from_calling_and_broken_calls_do_not_f
     r = chat(client, tools=loose, tool_choice="none", logit_bias=push, max_tokens=10, temperature=0)
     assert not r.choices[0].message.tool_calls and r.choices[0].finish_reason in ("stop", "length")
     assert "<｜tool_call｜>" not in json.dumps(r.to_dict())
-    # under auto the same push makes the model open calls it never writes: reported, not fatal
+    # under auto the same push can only make calls to the declared tool, with JSON-object arguments
+    r = chat(client, tools=loose, tool_choice="auto", logit_bias=push, max_tokens=60, temperature=0)
+    c = r.choices[0]
+    assert c.finish_reason == "tool_calls" and c.message.tool_calls
+    for call in c.message.tool_calls:
+        assert call.function.name == "get_weather" and isinstance(json.loads(call.function.arguments), dict)
+    # a call cut off by max_tokens is reported, not fatal, and goes back into a history without trouble
     r = chat(client, tools=loose, tool_choice="auto", logit_bias=push, max_tokens=6, temperature=0)
     c = r.choices[0]
-    assert c.finish_reason == "length" and not c.message.tool_calls
-    codes = {e["code"] for e in c.model_extra["parse_errors"]}
-    assert "tool_call_not_closed" in codes
-    # and that message goes back into a history without trouble
+    assert c.finish_reason == "length" and "tool_call_not_closed" in {e["code"] for e in c.model_extra["parse_errors"]}
     again = chat(client, tools=loose, max_tokens=4,
                  messages=USER + [c.message.to_dict(), {"role": "user", "content": "and now?"}])
-    assert again.choices[0].finish_reason in ("stop", "length")
+    assert again.choices[0].finish_reason in ("stop", "length", "tool_calls")
+    # a broken call in the history (another model's) goes back in without trouble, with a warning
+    broken = {"role": "assistant", "content": None, "tool_calls": [
+        {"id": "call_1", "type": "function", "function": {"name": "get_weather", "arguments": '{"city": '}}]}
+    raw = client.chat.completions.with_raw_response.create(
+        model=MODEL, tools=loose, max_tokens=4, messages=USER + [broken, {"role": "tool", "tool_call_id": "call_1",
+                                                                         "content": "error: bad JSON"}])
+    assert raw.parse().choices[0].finish_reason in ("stop", "length", "tool_calls")
+    assert "invalid_tool_arguments" in raw.headers["x-horizon-warning"]
 
 
 def test_response_format_with_tools_is_that_json_or_calls(client):
@@ -304,21 +319,26 @@ def test_round_trip_with_free_running_thinking_is_accepted(srv, client):
     chat(client, messages=[history[0], renamed, *history[2:]], tools=TOOLS, reasoning_effort="high", max_tokens=2)
 
 
-def test_a_tool_call_turn_without_its_thinking_is_rejected_naming_the_message(srv, client):
+def test_a_turn_sent_back_without_its_thinking_is_restored_and_an_unknown_one_rejected(srv, client):
     tools, r = tool_turn(srv, client)
     stripped = r.choices[0].message.to_dict()
-    del stripped["reasoning_content"]
+    del stripped["reasoning_content"], stripped["thinking_tier"]  # what a client without a reasoning field sends
     history = USER + [stripped, {"role": "tool", "tool_call_id": stripped["tool_calls"][0]["id"], "content": "21"}]
+    raw = client.chat.completions.with_raw_response.create(model=MODEL, messages=history, tools=tools,
+                                                           reasoning_effort="low", max_tokens=2)
+    assert raw.headers["x-horizon-restored"] == "1" and raw.parse().choices
+    # an edited earlier message: not the conversation the turn was generated in, so nothing is restored
+    edited = [{"role": "user", "content": "What is the weather in Lyon?"}, *history[1:]]
     with pytest.raises(openai.BadRequestError) as e:
-        chat(client, messages=history, tools=tools, reasoning_effort="low")
+        chat(client, messages=edited, tools=tools, reasoning_effort="low")
     err = error_of(e.value)
     assert e.value.status_code == 400 and err["param"] == "messages[1]" and err["type"] == "invalid_request_error"
-    assert "missing_thinking" in err["message"] and e.value.body == err
+    assert err["code"] == "missing_thinking" and "missing_thinking" in err["message"] and e.value.body == err
     # the same turn in an earlier, finished tool loop is fine under the default policy
-    finished = history + [{"role": "assistant", "content": "It is 21."}, {"role": "user", "content": "Thanks!"}]
+    finished = edited + [{"role": "assistant", "content": "It is 21."}, {"role": "user", "content": "Thanks!"}]
     assert chat(client, messages=finished, tools=tools, reasoning_effort="low", max_tokens=2).choices
     # and with thinking off nothing is checked
-    assert chat(client, messages=history, tools=tools, max_tokens=2).choices
+    assert chat(client, messages=edited, tools=tools, max_tokens=2).choices
 
 
 def test_warn_policy_serves_with_a_warning_header(tmp_path_factory):
@@ -389,13 +409,13 @@ def test_stop_strings_cut_the_answer(srv, client):
     ({"messages": [{"role": "robot", "content": "hi"}]}, "messages[0]", "unknown role"),
     ({"messages": []}, "messages", "at least 1"),
     ({"tools": TOOLS, "tool_choice": {"type": "function", "function": {"name": "nope"}}}, "tool_choice", "nope"),
-    ({"tool_choice": "required"}, "tool_choice", "none are offered"),
+    ({"tool_choice": "required"}, "tool_choice", "no tools are offered"),
     ({"tool_choice": "sometimes"}, "tool_choice", "Input should be"),
     ({"response_format": {"type": "json_schema", "json_schema": {"name": "x", "schema": {"type": "foo"}}}},
      "response_format", "Invalid type: foo"),
     ({"tools": [{"type": "function", "function": {"name": "f", "strict": True,
                                                   "parameters": {"type": "object", "required": "a"}}}]},
-     "tools", "Expected array for 'required'"),
+     "tools[0]", "Expected array for 'required'"),
     ({"tools": [{"type": "function", "function": {"name": "f"}}] * 2}, "tools", "defined twice"),
     ({"top_logprobs": 2}, "top_logprobs", "logprobs: true"),
     ({"logprobs": True, "top_logprobs": 21}, "top_logprobs", "less than or equal to 20"),
@@ -407,8 +427,11 @@ def test_stop_strings_cut_the_answer(srv, client):
     ({"logit_bias": {"abc": 1}}, "logit_bias", "token ids"),
     ({"logit_bias": {"999999": 1}}, "logit_bias", "[0, 4096)"),
     ({"reasoning_effort": "extreme"}, "reasoning_effort", "Input should be"),
-    ({"max_tokens": 5000}, "max_tokens", "max_tokens is 5000"),
-    ({"messages": [{"role": "user", "content": "word " * 2100}]}, "max_tokens", "exceeds the context window of 2048"),
+    ({"max_tokens": 5000}, "max_tokens", "5000 in the completion"),
+    ({"messages": [{"role": "user", "content": "word " * 2100}]}, "max_tokens", "maximum context length is 2048"),
+    ({"thinking_budget": "bogus"}, "thinking_budget", "'none', 'low', 'high', 'max' or an integer >= 1"),
+    ({"thinking_budget": 0}, "thinking_budget", "an integer >= 1"),
+    ({"thinking_budget": "max", "reasoning_effort": "low"}, "thinking_budget", "disagrees with reasoning_effort"),
 ])
 def test_bad_requests_are_400s_in_openais_shape(client, kw, param, words):
     with pytest.raises(openai.BadRequestError) as e:
@@ -418,12 +441,14 @@ def test_bad_requests_are_400s_in_openais_shape(client, kw, param, words):
     assert words in err["message"], err
 
 
-def test_context_overflow_names_the_numbers(srv, client):
+def test_context_overflow_names_the_numbers_in_openais_words(srv, client):
     with pytest.raises(openai.BadRequestError) as e:
         chat(client, max_completion_tokens=2040)
-    message = error_of(e.value)["message"]
-    prompt = int(message.split("the prompt is ")[1].split()[0])
-    assert f"max_tokens is 2040: {prompt + 2040} exceeds the context window of 2048 tokens" in message
+    err = error_of(e.value)
+    prompt = int(err["message"].split("(")[1].split()[0])
+    assert err["code"] == "context_length_exceeded", err  # what clients match (litellm, langchain)
+    assert (f"This model's maximum context length is 2048 tokens. However, you requested {prompt + 2040} tokens "
+            f"({prompt} in the messages, 2040 in the completion)") in err["message"]
 
 
 def test_malformed_json_and_wrong_model(srv, client):

@@ -22,7 +22,6 @@ from typing import Any
 
 from horizon.agent.tool import Tool, ToolResult
 
-TIERS = ("low", "high", "max")
 # OpenAI's reasoning_effort per tier (our server maps xhigh|max -> max) and Anthropic's adaptive effort
 OPENAI_EFFORT = {"low": "low", "high": "high", "max": "xhigh"}
 ANTHROPIC_EFFORT = {"low": "low", "high": "high", "max": "max"}
@@ -84,6 +83,7 @@ class StepRequest:
     temperature: float | None = None
     seed: int | None = None
     extra: dict[str, Any] = field(default_factory=dict)  # merged into the body (API-specific options)
+    response_schema: dict[str, Any] | None = None  # the answer must be JSON of this schema (tools may still be called)
 
 
 class Wire:
@@ -135,6 +135,9 @@ class OpenAIWire(Wire):
                                    else {"type": "function", "function": {"name": choice}})
         if req.tier is not None:
             body["reasoning_effort"] = OPENAI_EFFORT[req.tier]
+        if req.response_schema is not None:
+            body["response_format"] = {"type": "json_schema", "json_schema": {"name": "answer",
+                                                                              "schema": req.response_schema}}
         if req.temperature is not None:
             body["temperature"] = req.temperature
         if req.seed is not None:
@@ -243,6 +246,8 @@ class AnthropicWire(Wire):
         if req.tier is not None:
             body["thinking"] = {"type": "adaptive"}
             body["output_config"] = {"effort": ANTHROPIC_EFFORT[req.tier]}
+        if req.response_schema is not None:
+            body.setdefault("output_config", {})["format"] = {"type": "json_schema", "schema": req.response_schema}
         if req.temperature is not None:
             body["temperature"] = req.temperature
         return {**body, **req.extra}

@@ -20,8 +20,9 @@ from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any
 
-from horizon.agent.client import TIERS, ClientError, OnEvent, ReplayClient, StepRequest, ToolCall, Turn, Usage
+from horizon.agent.client import ClientError, OnEvent, ReplayClient, StepRequest, ToolCall, Turn, Usage
 from horizon.agent.tool import Tool, ToolResult
+from horizon.chat.thinking import TIERS
 
 
 @dataclass

@@ -11,12 +11,14 @@ tool calls `<｜tool_call｜>{"name": NAME, "arguments": ARGS}<｜/tool_call｜>
 `<｜/assistant｜>`. JSON is emitted compactly (`", "` and `": "` separators, no other whitespace).
 
 Finishing on time: a model is free to keep writing a string forever, and a truncated JSON is
-useless to an agent. In the last `finish_margin` tokens of max_tokens the mask keeps, when the
+useless to an agent. Inside JSON (a call's arguments, or an answer that must be JSON), in the last
+`finish_margin` tokens of max_tokens the mask keeps, when the
 grammar allows any of them: the end of a call or of the turn; else, inside a JSON string, its
 closing quote; else a closing `}` or `]`; else a comma (the way on when required fields or items
 are missing; it also ends a number); else a quote (a string value, rather than opening another
 object or array). So outputs complete within the budget unless the schema itself needs more
-(many required fields, long enums).
+(many required fields, long enums). Free text (under `auto` with tools, before any call) is not
+steered: cutting it short would look like a finished answer, so it runs to max_tokens (`length`).
 
 Why llguidance: it computes masks for our byte-level BPE vocabulary directly (the tokenizer.json
 is all it needs), has no Python dependencies, and runs on CPU. xgrammar 0.2.8 needs triton and
@@ -57,6 +59,11 @@ class ConstraintSpec:
     min_calls: int = 0
     max_calls: int | None = None
     text: bool = True
+
+    @property
+    def free_text(self) -> bool:
+        """The answer may be plain text (calls optional): nothing structured is owed when the budget runs out."""
+        return self.json_schema is None and self.text and self.min_calls == 0
 
     @classmethod
     def for_json(cls, schema: dict[str, Any] | None = None) -> ConstraintSpec:
@@ -180,10 +187,11 @@ def _reason(error: str) -> str:
 
 
 class JsonScan:
-    """Where the JSON written so far stands: inside a string or not, and how deeply nested."""
+    """Where the JSON written so far stands: inside a string or not, how deeply nested, past a call or not."""
 
     def __init__(self):
         self.reset()
+        self.after_call = False
 
     def feed(self, data: bytes) -> None:
         for byte in data:
@@ -202,8 +210,10 @@ class JsonScan:
                 self.depth -= 1
 
     def reset(self) -> None:
+        """A special token: outside any string (a call starts or ends)."""
         self.in_string = self.escaped = False
         self.depth = 0
+        self.after_call = True  # only calls or the end may follow a call: a structured answer from here on
 
 
 def finishing(tokens_left: int, max_tokens: int, scan: JsonScan) -> bool:

@@ -45,7 +45,7 @@ log = logging.getLogger(__name__)
 @dataclass
 class EngineConfig:
     max_num_seqs: int = 16  # sequences decoding at once (KDA state slots)
-    max_model_len: int | None = None  # prompt + output per sequence; None: min(model window, 32768)
+    max_model_len: int | None = None  # prompt + output per sequence; None: min(model window, 32768); never past it
     block_size: int = 64  # DSA rows per cache block
     num_blocks: int | None = None  # pool size; None: every slot can reach max_model_len
     max_batch_tokens: int = 512  # tokens per forward: decodes first, then prefill chunks
@@ -133,7 +133,12 @@ class Engine:
         self.config = config = config or EngineConfig()
         config.validate()
         window = model.config.max_position_embeddings
-        self.max_model_len = min(config.max_model_len or min(window, 32768), window)
+        if config.max_model_len is not None and config.max_model_len > window:
+            how = ("its rope_scaling already gives that window" if model.config.rope_scaling else
+                   "a longer window needs a checkpoint whose config declares rope_scaling (YaRN) for it")
+            raise ValueError(f"max_model_len={config.max_model_len} exceeds the model's context window of {window} "
+                             f"tokens (max_position_embeddings; {how})")
+        self.max_model_len = config.max_model_len or min(window, 32768)
         p = model.embed.weight
         self.cache = HorizonCache(model.config, config.max_num_seqs, self.max_model_len, dtype=p.dtype,
                                   device=p.device, block_size=config.block_size,
@@ -147,6 +152,7 @@ class Engine:
         self.stop_ids = {special.assistant_end, special.end_of_text}
         self.image_id = special.image
         self.grammars = Grammars(tokenizer)
+        self._thinking_masks: dict[int, torch.Tensor] = {}  # vocab size -> what constrained thinking may sample
         self.stats = Stats()
         self.sequences: dict[str, Sequence] = {}
         self._inbox: queue.SimpleQueue = queue.SimpleQueue()  # ("submit", seq) / ("cancel", id)
@@ -260,25 +266,21 @@ class Engine:
             if seq.num_generated == 0 and seq.cached_prompt_tokens < seq.prompt_len:
                 self.scheduler.remember_prompt(seq)  # the next turn can resume here at least
             forced = seq.forced_token()
-            constrained = seq.matcher is not None and not seq.thinking  # thinking stays free
-            allowed = None
-            if constrained and forced is None:
-                closing = finishing(seq.params.max_tokens - seq.num_generated, seq.params.max_tokens, seq.json_scan)
-                allowed = self.grammars.allowed(seq.matcher, row.shape[-1], closing, seq.json_scan.in_string)
-                if not bool(allowed.any()):
-                    self._finish(seq, "error", f"constraint has no allowed token: {seq.matcher.get_error()}")
-                    continue
+            allowed, problem = (None, None) if forced is not None else self._allowed(seq, row.shape[-1])
+            if problem:
+                self._finish(seq, "error", problem)
+                continue
             token = forced if forced is not None else sample(row, seq.params, seq.generated, seq.generator, allowed)
             lp, top = logprobs(row, token, seq.params.logprobs) if seq.params.logprobs is not None else (None, None)
             was_thinking = seq.thinking
-            if constrained:
+            if seq.matcher is not None and not was_thinking:
                 if not seq.matcher.consume_token(token):
                     self._finish(seq, "error", f"constraint rejected token {token}: {seq.matcher.get_error()}")
                     continue
                 if token < self.grammars.vocab_size and self.grammars.token_bytes[token]:
                     seq.json_scan.feed(self.grammars.token_bytes[token])
                 else:
-                    seq.json_scan.reset()  # a special token (a call starts or ends): outside any string
+                    seq.json_scan.reset()
             reason = seq.append(token, lp, top, forced is not None)
             generated += 1
             if was_thinking and seq.params.tier is not None and token != seq.think_end:
@@ -295,6 +297,33 @@ class Engine:
         s.forwards_multi_seq += len(plan) > 1
         s.recent.append((time.perf_counter(), generated))
         return True
+
+    def _allowed(self, seq: Sequence, vocab: int) -> tuple[torch.Tensor | None, str | None]:
+        """The mask of tokens a constrained sequence may sample next (None: any), or a reason it cannot go on.
+
+        After thinking the grammar decides. While thinking, the text is free but the turn's structure is
+        not: with a constraint the thinking must close before anything else, so the ends of the turn and
+        the call tokens are ruled out there (a turn ending inside thinking would answer nothing)."""
+        if seq.matcher is None:
+            return None, None
+        if seq.thinking:
+            return self._thinking_mask(vocab), None
+        scan = seq.json_scan
+        in_json = scan.depth > 0 or scan.in_string or scan.after_call or not seq.request.constraint.free_text
+        closing = in_json and finishing(seq.params.max_tokens - seq.num_generated, seq.params.max_tokens, scan)
+        allowed = self.grammars.allowed(seq.matcher, vocab, closing, seq.json_scan.in_string)
+        if not bool(allowed.any()):
+            return None, f"constraint has no allowed token: {seq.matcher.get_error()}"
+        return allowed, None
+
+    def _thinking_mask(self, vocab: int) -> torch.Tensor:
+        mask = self._thinking_masks.get(vocab)
+        if mask is None:
+            sp = self.tokenizer.special
+            mask = torch.ones(vocab, dtype=torch.bool)
+            mask[[sp.assistant_end, sp.end_of_text, sp.tool_call, sp.tool_call_end]] = False
+            self._thinking_masks[vocab] = mask
+        return mask
 
     def _image_inputs(self, plan) -> tuple[torch.Tensor | None, torch.Tensor | None]:
         """The image placeholder mask over this step's tokens and the embeddings that fill it (each image

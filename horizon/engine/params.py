@@ -7,9 +7,9 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from horizon.chat.parser import Delta
+from horizon.chat.thinking import TIERS
 from horizon.engine.constraints import ConstraintSpec
 
-TIERS = ("low", "high", "max")
 _ids = itertools.count()
 
 
@@ -26,9 +26,10 @@ class SamplingParams:
     logprobs: int | None = None  # None: off; n >= 0: the chosen token's logprob and the n most likely
     presence_penalty: float = 0.0
     frequency_penalty: float = 0.0
-    logit_bias: dict[int, float] = field(default_factory=dict)
+    logit_bias: dict[int, float] = field(default_factory=dict)  # -100 bans the token
+    banned_token_ids: list[int] = field(default_factory=list)  # never sampled, whatever the bias (tool policy)
     tier: str | None = None  # thinking tier: the prompt ends inside thinking; None: thinking off
-    thinking_budget: int | None = None  # hard cap on thinking tokens; None: the tier's budget
+    thinking_budget: int | None = None  # hard cap on thinking tokens, the closing one included; None: the tier's
 
     def validate(self, vocab_size: int) -> None:
         def fail(name: str, allowed: str) -> None:
@@ -47,16 +48,17 @@ class SamplingParams:
         for name in ("presence_penalty", "frequency_penalty"):
             if not -2 <= getattr(self, name) <= 2:
                 fail(name, "must be in [-2, 2]")
-        if any(not 0 <= t < vocab_size for t in [*self.stop_token_ids, *self.logit_bias]):
-            raise ValueError(f"stop_token_ids and logit_bias keys must be token ids in [0, {vocab_size})")
+        if any(not 0 <= t < vocab_size for t in [*self.stop_token_ids, *self.logit_bias, *self.banned_token_ids]):
+            raise ValueError(f"stop_token_ids, banned_token_ids and logit_bias keys must be token ids in "
+                             f"[0, {vocab_size})")
         if any(not -100 <= b <= 100 for b in self.logit_bias.values()):
             fail("logit_bias", "values must be in [-100, 100]")
         if any(not isinstance(s, str) or not s for s in self.stop) or len(self.stop) > 16:
             fail("stop", "must be at most 16 non-empty strings")
         if self.tier is not None and self.tier not in TIERS:
             fail("tier", f"allowed: {', '.join(TIERS)} or null (thinking off)")
-        if self.thinking_budget is not None and (not isinstance(self.thinking_budget, int) or self.thinking_budget < 0):
-            fail("thinking_budget", "must be null or an integer >= 0")
+        if self.thinking_budget is not None and (not isinstance(self.thinking_budget, int) or self.thinking_budget < 1):
+            fail("thinking_budget", "must be null or an integer >= 1 (it counts the end-of-thinking token)")
 
 
 @dataclass

@@ -11,18 +11,24 @@ import torch
 
 from horizon.engine.params import SamplingParams
 
+BAN = -100.0  # a logit_bias of -100 bans the token outright (OpenAI: "should result in a ban")
+
 
 def adjust_logits(logits: torch.Tensor, params: SamplingParams, generated: list[int]) -> torch.Tensor:
-    """logit_bias, then OpenAI's presence / frequency penalties over the tokens generated so far."""
-    if not (params.logit_bias or params.presence_penalty or params.frequency_penalty):
+    """logit_bias (-100: banned, whatever the logit), OpenAI's presence / frequency penalties over the
+    tokens generated so far, then the banned tokens."""
+    if not (params.logit_bias or params.presence_penalty or params.frequency_penalty or params.banned_token_ids):
         return logits
     logits = logits.clone()
     if params.logit_bias:
         ids = torch.tensor(list(params.logit_bias), device=logits.device)
-        logits[ids] += torch.tensor(list(params.logit_bias.values()), device=logits.device, dtype=logits.dtype)
+        bias = torch.tensor(list(params.logit_bias.values()), device=logits.device, dtype=logits.dtype)
+        logits[ids] += bias.masked_fill(bias <= BAN, float("-inf"))
     if generated and (params.presence_penalty or params.frequency_penalty):
         counts = torch.bincount(torch.tensor(generated, device=logits.device), minlength=logits.shape[0])
         logits -= params.frequency_penalty * counts + params.presence_penalty * (counts > 0)
+    if params.banned_token_ids:
+        logits[torch.tensor(params.banned_token_ids, device=logits.device)] = float("-inf")
     return logits
 
 

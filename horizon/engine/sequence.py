@@ -67,8 +67,9 @@ class Sequence:
         return len(self.tokens) - self.num_cached
 
     def forced_token(self) -> int | None:
-        """The end of thinking, once the thinking budget is spent: the answer must follow."""
-        if self.thinking and self.thinking_budget is not None and self.thinking_tokens >= self.thinking_budget:
+        """The end of thinking when only its own place is left in the thinking budget (the budget counts the
+        end-of-thinking token, as `reasoning_tokens` does): the answer must follow."""
+        if self.thinking and self.thinking_budget is not None and self.thinking_tokens + 1 >= self.thinking_budget:
             return self.think_end
         return None
 

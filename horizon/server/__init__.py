@@ -1,6 +1,6 @@
-"""OpenAI- and Anthropic-compatible serving: thin API adapters over one ModelService seam."""
+"""OpenAI- and Anthropic-compatible serving over HTTP: thin API adapters over the `horizon.serving` seam."""
 
-from horizon.server.app import ServerSettings, create_app
-from horizon.server.service import Conversation, ModelService, ServiceError
+from horizon.server.app import ServerSettings, create_app, read_keys_file
+from horizon.serving import Conversation, ModelService, ServiceError
 
-__all__ = ["Conversation", "ModelService", "ServerSettings", "ServiceError", "create_app"]
+__all__ = ["Conversation", "ModelService", "ServerSettings", "ServiceError", "create_app", "read_keys_file"]

@@ -1,7 +1,7 @@
 """Anthropic Messages API: `POST /v1/messages` (streaming and not) and `POST /v1/messages/count_tokens`.
 
-A thin translation over ModelService. A request becomes a `Conversation` (horizon.chat's
-OpenAI-style messages), `SamplingParams` and maybe a `ConstraintSpec` (`plan_request`); the
+A thin translation over the serving seam. A request becomes a `ChatRequest` (horizon.chat's
+OpenAI-style messages, the seam's tool policy, sampling; `plan_request`); the
 engine's parser deltas become Anthropic content blocks (`Reply`), returned as one message or
 streamed as `message_start, ping, (content_block_start, *_delta..., content_block_stop)*,
 message_delta, message_stop` (SSE: `event: <type>\\ndata: <json>\\n\\n`).
@@ -34,14 +34,18 @@ Decisions where Anthropic's format and Horizon's differ:
   * A call is a `tool_use` block only when it names an offered tool and its arguments are a JSON
     object; anything else the model wrote as a call (invalid JSON, unknown tool, cut off) becomes a
     text block with the call's text, so it is reported, not lost, and a client never gets a
-    tool_use it cannot dispatch. To decide that, a call is held until it ends and its input is then
-    streamed in one `input_json_delta`.
-  * Tools and constraints: `tool_choice` `any` / `tool` force a call constrained to the schemas
-    (text before it is not allowed, as in the reference API); under `auto` a tool with
-    `strict: true` is constrained to its schema, and `disable_parallel_tool_use` is enforced by
-    the grammar; `none` (or no tools) keeps the tools in the prompt (prefix stability) and bans
-    the tool-call token. `output_config.format` (`json_schema`) constrains the answer. Under a
-    grammar the engine also steers the answer to end within max_tokens (its closing preference).
+    tool_use it cannot dispatch. When a grammar holds the calls (declared names, JSON arguments:
+    whenever tools may be called), the input streams in `input_json_delta` fragments as it is
+    generated; otherwise a call is held until it ends and its input is then streamed in one delta.
+  * Tools and constraints follow the seam's one policy (`horizon.serving.policy`): `tool_choice`
+    `any` / `tool` force a call whose input follows the tool's schema (text before it is not
+    allowed, as in the reference API; `tool`: exactly one call); under `auto` only declared tools
+    can be called, a tool with `strict: true` held to its schema, and `disable_parallel_tool_use`
+    is enforced by the grammar; `none` (or no tools) keeps the tools in the prompt (prefix
+    stability) and bans the tool-call token. `output_config.format` (`json_schema`) constrains the
+    answer, thinking on or off (thinking must close first). Under a grammar the engine also steers
+    the answer to end within max_tokens (its closing preference). A prompt that does not fit is
+    "prompt is too long: N tokens > M maximum".
   * A last message from the assistant (prefill) is refused: the chat format has no open turn.
   * Usage: `input_tokens` excludes `cache_read_input_tokens` (prompt tokens resumed from the
     prefix cache), as in the reference API; `cache_creation_input_tokens` is 0 (caching is
@@ -71,6 +75,7 @@ from fastapi.responses import JSONResponse, StreamingResponse
 
 from horizon.chat import (
     TIERS,
+    HistoryIssue,
     ReasoningDelta,
     TextDelta,
     ToolCallArgs,
@@ -79,11 +84,10 @@ from horizon.chat import (
     tier_from_budget_tokens,
     tier_from_effort,
     tool_call_text,
-    validate_history,
 )
 from horizon.chat.images import WHERE
 from horizon.chat.messages import loads_strict
-from horizon.engine import ConstraintSpec, FinishEvent, SamplingParams, TokenEvent, Usage
+from horizon.engine import FinishEvent, SamplingParams, TokenEvent, Usage
 from horizon.server.anthropic_types import (
     Block,
     CountTokensRequest,
@@ -94,8 +98,9 @@ from horizon.server.anthropic_types import (
     ThinkingEnabled,
     ToolResultBlock,
 )
-from horizon.server.service import Conversation, ModelService, ServiceError
+from horizon.server.http import request_tenant, response_headers, run_until_done, warning_header
 from horizon.server.signatures import ThinkingSigner
+from horizon.serving import ANONYMOUS, ChatRequest, Conversation, ModelService, ServiceError, Tool, ToolPolicy
 
 log = logging.getLogger("horizon.server.anthropic")
 router = APIRouter()
@@ -105,7 +110,6 @@ MIN_BUDGET_TOKENS = 1024  # the reference API's lower bound for thinking.budget_
 DEFAULT_EFFORT = "high"  # adaptive thinking without output_config.effort, as in the reference API
 IMAGE_TYPES = ("image/jpeg", "image/png", "image/gif", "image/webp")
 PING_EVERY_S = 10.0  # keep-alive while nothing else is sent (queued, long prefill), as proxies drop idle streams
-BANNED = -100.0  # logit bias that rules a token out
 _ALNUM = string.ascii_letters + string.digits
 
 
@@ -131,39 +135,40 @@ def verified_tier(signer: ThinkingSigner, thinking: str, signature: str | None) 
     return tier if tier in TIERS and signer.verify(tier + chr(0) + thinking, mac) else None
 
 
-# --- request -> conversation, params, constraint -----------------------------------------------------------
+# --- request -> the neutral request ---------------------------------------------------------------------------
 @dataclass
 class Plan:
-    conversation: Conversation
-    params: SamplingParams | None  # None for count_tokens
-    constraint: ConstraintSpec | None
-    warnings: list[str] = field(default_factory=list)
+    request: ChatRequest
+    warnings: list[str] = field(default_factory=list)  # from translating (signatures); the seam adds its own
     tool_names: frozenset[str] = frozenset()
 
+    @property
+    def conversation(self) -> Conversation:
+        return self.request.conversation
 
-def plan_request(body: CountTokensRequest, service: ModelService, signer: ThinkingSigner) -> Plan:
+
+def plan_request(body: CountTokensRequest, service: ModelService, signer: ThinkingSigner,
+                 tenant: str = ANONYMOUS) -> Plan:
     """Translate and check a request; every refusal is a ServiceError naming the field or message."""
     if body.model != service.model_id:
         raise ServiceError("not_found", f"model: {body.model!r} is not served here; this server serves "
                                         f"{service.model_id!r}")
     max_tokens = getattr(body, "max_tokens", None)
-    tier, budget = thinking_config(body, max_tokens, service.engine.budgets)
+    tier, budget = thinking_config(body, max_tokens, service.budgets)
     tools = translate_tools(body)
-    constraint, bias = tool_constraint(body, tier, service.tokenizer.special.tool_call)
+    policy = tool_policy(body, tier)
     messages, origins, warnings = translate_messages(body, signer, service.history_policy)
-    conv = Conversation(messages, tools, tier)
-    warnings += check_history(conv, origins, service.history_policy)
-    params = None
+    conv = Conversation(messages, tools, tier, origins, describe_issue)
+    params = SamplingParams(thinking_budget=budget)
     if isinstance(body, MessagesRequest):
         stops = body.stop_sequences or []
         if len(stops) > 16 or not all(stops):
             raise bad("stop_sequences: at most 16 non-empty strings")
-        params = SamplingParams(max_tokens=body.max_tokens, tier=tier, thinking_budget=budget, stop=list(stops),
+        params = SamplingParams(thinking_budget=budget, stop=list(stops),
                                 temperature=1.0 if body.temperature is None else body.temperature,
-                                top_p=1.0 if body.top_p is None else body.top_p, top_k=body.top_k or 0,
-                                logit_bias=bias)
-    names = frozenset(t["function"]["name"] for t in tools or ())
-    return Plan(conv, params, constraint, warnings, names)
+                                top_p=1.0 if body.top_p is None else body.top_p, top_k=body.top_k or 0)
+    return Plan(ChatRequest(conv, policy, params, max_tokens, tenant), warnings,
+                frozenset(t.name for t in tools))
 
 
 def thinking_config(body: CountTokensRequest, max_tokens: int | None, budgets: dict) -> tuple[str | None, int | None]:
@@ -184,12 +189,10 @@ def thinking_config(body: CountTokensRequest, max_tokens: int | None, budgets: d
     return tier_from_effort(effort), None
 
 
-def translate_tools(body: CountTokensRequest) -> list[dict] | None:
-    """Anthropic tool definitions -> OpenAI-style ones (what the template renders: name, description, schema)."""
-    if not body.tools:
-        return None
+def translate_tools(body: CountTokensRequest) -> list[Tool]:
+    """Anthropic tool definitions -> the seam's (what the template renders: name, description, schema)."""
     out, seen = [], set()
-    for i, t in enumerate(body.tools):
+    for i, t in enumerate(body.tools or ()):
         if t.type not in (None, "custom"):
             raise bad(f"tools[{i}]: tool type {t.type!r} is not supported here; only custom tools with an "
                       "input_schema")
@@ -198,23 +201,17 @@ def translate_tools(body: CountTokensRequest) -> list[dict] | None:
         if t.name in seen:
             raise bad(f"tools: tool names must be unique; {t.name!r} appears twice")
         seen.add(t.name)
-        fn: dict[str, Any] = {"name": t.name}
-        if t.description:
-            fn["description"] = t.description
-        fn["parameters"] = t.input_schema
-        out.append({"type": "function", "function": fn})
+        out.append(Tool(t.name, t.input_schema, t.description or None, bool(t.strict)))
     return out
 
 
-def tool_constraint(body: CountTokensRequest, tier: str | None,
-                    call_token: int) -> tuple[ConstraintSpec | None, dict[int, float]]:
-    """The grammar the answer must follow (None: free) and the logit bias (the call token banned when no
-    call may be made)."""
+def tool_policy(body: CountTokensRequest, tier: str | None) -> ToolPolicy:
+    """`tool_choice` and `output_config.format` in the seam's terms (its rules: horizon.serving.policy)."""
     choice = body.tool_choice
     kind = choice.type if choice else "auto"
-    forced = kind in ("any", "tool")
     tools = body.tools or []
     fmt = body.output_config.format if body.output_config else None
+    forced = kind in ("any", "tool")
     if forced and tier is not None:
         raise bad("Thinking may not be enabled when tool_choice forces tool use.")
     if forced and not tools:
@@ -224,15 +221,10 @@ def tool_constraint(body: CountTokensRequest, tier: str | None,
             raise bad("tool_choice.name: Field required for type 'tool'")
         if choice.name not in {t.name for t in tools}:
             raise bad(f"tool_choice.name: no tool named {choice.name!r} in tools")
-    callable_ = [] if kind == "none" else [t for t in tools if kind != "tool" or t.name == choice.name]
-    bias = {} if callable_ else {call_token: BANNED}
-    parallel = not (choice and choice.disable_parallel_tool_use)
-    if not fmt and not (callable_ and (forced or not parallel or any(t.strict for t in callable_))):
-        return None, bias
-    calls = [(t.name, t.input_schema if forced or t.strict else None) for t in callable_]
-    spec = ConstraintSpec.for_tools(calls, required=forced, parallel=parallel, text=True,
-                                    json_schema=fmt.schema_ if fmt and not forced else None)
-    return spec, bias
+    name = {"any": "required", "tool": choice.name if choice else None}.get(kind, kind)
+    return ToolPolicy(name, parallel=not (choice and choice.disable_parallel_tool_use),
+                      response_schema=fmt.schema_ if fmt and not forced else None,
+                      response_param="output_config.format")
 
 
 def translate_messages(body: CountTokensRequest, signer: ThinkingSigner,
@@ -346,34 +338,15 @@ def _assistant(m: MessageParam, i: int, signer: ThinkingSigner, policy: str,
     return f"messages[{i}]", msg
 
 
-def check_history(conv: Conversation, origins: list[str], policy: str) -> list[str]:
-    """horizon.chat's history rules, reported with the request's own message positions."""
-    try:
-        issues = validate_history(conv.messages, tier=conv.tier, policy=policy, tools=conv.tools)
-    except ValueError as e:
-        raise bad(str(e)) from None
-    problems, warnings = [], []
-    for issue in issues:
-        text = issue.message
-        if issue.code == "missing_thinking":
-            text = ("an assistant turn with tool_use blocks in the current tool loop arrived without its thinking "
-                    "block; with thinking on, send every assistant message back as it was returned")
-        elif issue.code == "orphan_tool_result":
-            call_id = conv.messages[issue.index].get("tool_call_id")
-            text = f"tool_result for {call_id!r} answers no tool_use of the assistant message right before it"
-        line = f"{origins[issue.index]}: {text} [{issue.code}]"
-        (problems if issue.severity == "error" else warnings).append(line)
-    if problems:
-        more = f" (and {len(problems) - 1} more)" if len(problems) > 1 else ""
-        raise bad(problems[0] + more)
-    return warnings
-
-
-def warning_header(warnings: list[str]) -> dict[str, str]:
-    if not warnings:
-        return {}
-    text = " ".join("; ".join(warnings).split()).encode("ascii", "backslashreplace").decode()  # one latin-1 line
-    return {"x-horizon-warning": text[:4000]}
+def describe_issue(issue: HistoryIssue, messages: list[dict]) -> str | None:
+    """Anthropic's words for history issues whose horizon.chat wording speaks OpenAI."""
+    if issue.code == "missing_thinking":
+        return ("an assistant turn with tool_use blocks in the current tool loop arrived without its thinking "
+                "block; with thinking on, send every assistant message back as it was returned")
+    if issue.code == "orphan_tool_result":
+        call_id = messages[issue.index].get("tool_call_id")
+        return f"tool_result for {call_id!r} answers no tool_use of the assistant message right before it"
+    return None
 
 
 # --- engine deltas -> content blocks -------------------------------------------------------------------------
@@ -382,6 +355,7 @@ class _Call:
     id: str
     name: str
     args: list[str] = field(default_factory=list)
+    block: int | None = None  # the index of its tool_use block, when streamed as it is generated
 
 
 def _json_object(text: str) -> dict | None:
@@ -397,10 +371,14 @@ class Reply:
 
     `begin`, `feed` and `finish` return the stream events they add; `content` is the final list
     of blocks either way, so the streamed and the plain answer are the same by construction.
+
+    `streams_calls`: a grammar holds calls to declared names with JSON arguments, so a call's
+    tool_use block opens when it starts and its input streams in fragments as it is generated;
+    otherwise a call is held until it ends and judged then (see the module docstring).
     """
 
-    def __init__(self, tier: str | None, tool_names: frozenset[str], sign):
-        self.tier, self.tool_names, self.sign = tier, tool_names, sign
+    def __init__(self, tier: str | None, tool_names: frozenset[str], sign, streams_calls: bool = False):
+        self.tier, self.tool_names, self.sign, self.streams_calls = tier, tool_names, sign, streams_calls
         self.content: list[dict] = []
         self.open: dict | None = None  # the block being streamed
         self.calls: dict[int, _Call] = {}
@@ -423,9 +401,15 @@ class Reply:
                 events.append(self._delta({"type": "text_delta", "text": d.text}))
             elif isinstance(d, ToolCallStart):
                 events += self._close()
-                self.calls[d.index] = _Call("toolu_" + d.id.removeprefix("call_"), d.name)
+                call = self.calls[d.index] = _Call("toolu_" + d.id.removeprefix("call_"), d.name)
+                if self.streams_calls and d.name in self.tool_names:
+                    events += self._start({"type": "tool_use", "id": call.id, "name": call.name, "input": {}})
+                    call.block = len(self.content) - 1
             elif isinstance(d, ToolCallArgs):
-                self.calls[d.index].args.append(d.text)
+                call = self.calls[d.index]
+                call.args.append(d.text)
+                if call.block is not None and d.text:
+                    events.append(self._delta({"type": "input_json_delta", "partial_json": d.text}))
             elif isinstance(d, ToolCallEnd):
                 events += self._call(self.calls.pop(d.index))
             # ErrorDeltas need nothing more: a broken call is judged by what it holds when it ends (_call)
@@ -440,6 +424,15 @@ class Reply:
     def _call(self, call: _Call) -> list[dict]:
         args = "".join(call.args)
         value = _json_object(args)
+        if call.block is not None:  # streamed already; cut off (max_tokens) its text follows it, not lost
+            self.content[call.block]["input"] = value or {}
+            self.tool_uses += value is not None
+            events = self._close()
+            if value is None and args.strip():
+                raw = tool_call_text(call.name, args)
+                events += (self._start({"type": "text", "text": raw})
+                           + [self._delta({"type": "text_delta", "text": raw})] + self._close())
+            return events
         if value is None or call.name not in self.tool_names:
             log.info("model output a malformed tool call (%s); returned as text", call.name or "no name")
             raw = tool_call_text(call.name, args) if call.name else args
@@ -525,16 +518,17 @@ async def create_message(body: MessagesRequest, request: Request):
     arrived = time.perf_counter()
     app = request.app.state
     service: ModelService = app.service
-    plan = plan_request(body, service, app.signer)
-    prepared = service.prepare(plan.conversation, plan.params)
-    events = service.start(prepared, plan.params, plan.constraint, request.state.request_id)
-    tier = plan.conversation.tier
-    reply = Reply(tier, plan.tool_names, lambda text, t: sign_thinking(app.signer, text, t))
+    plan = plan_request(body, service, app.signer, request_tenant(request))
+    prepared = service.prepare(plan.request)
+    events = service.start(prepared, request_id=request.state.request_id)
+    tier = prepared.conversation.tier
+    reply = Reply(tier, plan.tool_names, lambda text, t: sign_thinking(app.signer, text, t),
+                  streams_calls=prepared.request.constraint is not None and bool(prepared.request.constraint.tools))
     opening = reply.begin()  # the thinking block, when thinking is on (streamed right after message_start)
     answer = AnswerText(service.tokenizer, tier)
     message = {"id": new_id("msg_"), "type": "message", "role": "assistant", "model": service.model_id,
                "content": [], "stop_reason": None, "stop_sequence": None}
-    stops = plan.params.stop
+    stops = prepared.params.stop
 
     def on_token(event: TokenEvent) -> list[dict]:
         if answer.last is None:
@@ -547,16 +541,26 @@ async def create_message(body: MessagesRequest, request: Request):
         matched = answer.stop_sequence(stops) if finish.reason == "stop" else None
         return events, {"stop_reason": stop_reason(finish, reply, matched), "stop_sequence": matched}
 
-    headers = warning_header(plan.warnings)
+    headers = response_headers(prepared)
+    headers.update(warning_header(plan.warnings + prepared.warnings))
     if body.stream:
         start = {**message, "usage": {"input_tokens": len(prepared.prompt_ids), "output_tokens": 0,
                                       "cache_read_input_tokens": 0, "cache_creation_input_tokens": 0}}
         stream = sse_stream(start, opening, events, on_token, on_finish, app.metrics)
         return StreamingResponse(stream, media_type="text/event-stream",
                                  headers={**headers, "cache-control": "no-cache"})
-    finish = await collect(request, events, on_token)
-    if finish is None:  # the client went away; nobody reads this (499: nginx's "client closed request")
-        return JSONResponse({}, status_code=499)
+    finished: list[FinishEvent] = []
+
+    async def consume() -> None:
+        async for event in events:
+            if isinstance(event, TokenEvent):
+                on_token(event)
+            else:
+                finished.append(event)
+
+    if not await run_until_done(request, consume(), events.cancel):
+        return JSONResponse({}, status_code=499)  # the client went away; nobody reads this (nginx's code)
+    finish = finished[0]
     app.metrics.observe_usage(finish.usage)
     if finish.reason not in ("stop", "length"):
         raise ServiceError("internal", engine_failure(finish))
@@ -568,33 +572,9 @@ async def create_message(body: MessagesRequest, request: Request):
 @router.post("/v1/messages/count_tokens")
 async def count_tokens(body: CountTokensRequest, request: Request):
     service: ModelService = request.app.state.service
-    plan = plan_request(body, service, request.app.state.signer)
-    return JSONResponse({"input_tokens": service.count_tokens(plan.conversation)},
-                        headers=warning_header(plan.warnings))
-
-
-async def collect(request: Request, events, on_token) -> FinishEvent | None:
-    """Run a request to its end; a client that disconnects first cancels it (its cache is freed) -> None."""
-
-    async def client_gone() -> None:
-        while (await request.receive())["type"] != "http.disconnect":
-            pass
-
-    async def consume() -> FinishEvent:
-        async for event in events:
-            if isinstance(event, TokenEvent):
-                on_token(event)
-            else:
-                return event
-
-    work, watch = asyncio.ensure_future(consume()), asyncio.ensure_future(client_gone())
-    try:
-        await asyncio.wait({work, watch}, return_when=asyncio.FIRST_COMPLETED)
-        return work.result() if work.done() else None
-    finally:
-        for task in (work, watch):
-            task.cancel()
-        events.cancel()
+    plan = plan_request(body, service, request.app.state.signer, request_tenant(request))
+    count, warnings = service.count_tokens(plan.request)
+    return JSONResponse({"input_tokens": count}, headers=warning_header(plan.warnings + warnings))
 
 
 def sse(event: dict) -> str:

@@ -1,8 +1,9 @@
 """The HTTP server: one FastAPI app over one engine, with the OpenAI and Anthropic adapters mounted.
 
-What is shared by both APIs lives here: request ids, the body-size limit, API-key checks, errors
-in each API's own shape (never a traceback), health, Prometheus metrics, tokenize, and the engine's
-lifetime (started with the app, stopped after the last request drains on shutdown).
+What is shared by both APIs lives here: request ids, the body-size limit, API keys (each key a
+tenant: stored thinking is kept per tenant), errors in each API's own shape (never a traceback),
+unknown routes named with the supported ones, health, Prometheus metrics, tokenize, and the
+engine's lifetime (started with the app, stopped after the last request drains on shutdown).
 
 Errors: routes under /v1/messages answer in Anthropic's shape
 `{"type": "error", "error": {"type", "message"}}` (overload: 529); everything else in OpenAI's
@@ -11,11 +12,12 @@ Errors: routes under /v1/messages answer in Anthropic's shape
 
 from __future__ import annotations
 
+import hashlib
 import hmac
 import logging
 import secrets
 from contextlib import asynccontextmanager
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 from fastapi import FastAPI, Request
 from fastapi.exceptions import RequestValidationError
@@ -25,17 +27,51 @@ from pydantic import BaseModel
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
 from horizon.server.metrics import ServerMetrics
-from horizon.server.service import ERROR_KINDS, ModelService, ServiceError
 from horizon.server.signatures import ThinkingSigner
+from horizon.serving import ERROR_KINDS, Conversation, ModelService, ServiceError, Tool
 
 log = logging.getLogger("horizon.server")
 
 
 @dataclass
 class ServerSettings:
-    api_key: str | None = None  # None: no authentication
+    api_key: str | None = None  # one key (a tenant of its own); with api_keys, one more
+    api_keys: dict[str, str] = field(default_factory=dict)  # key -> tenant name; none at all: no authentication
     max_body_bytes: int = 16 * 1024 * 1024
     signature_key_file: str | None = None  # None: horizon.server.signatures.default_key_file()
+
+    def tenants(self) -> dict[str, str]:
+        keys = dict(self.api_keys)
+        if self.api_key:
+            keys.setdefault(self.api_key, tenant_of_key(self.api_key))
+        return keys
+
+
+def tenant_of_key(key: str) -> str:
+    """A key's tenant when none is named: a digest, so logs and metrics never show the key."""
+    return "key-" + hashlib.sha256(key.encode()).hexdigest()[:12]
+
+
+def read_keys_file(path: str) -> dict[str, str]:
+    """API keys, one per line: `KEY` or `TENANT:KEY` (blank lines and `#` comments skipped)."""
+    keys: dict[str, str] = {}
+    with open(path, encoding="utf-8") as f:
+        for n, raw in enumerate(f, 1):
+            line = raw.strip()
+            if not line or line.startswith("#"):
+                continue
+            tenant, sep, key = line.rpartition(":")
+            key, tenant = key.strip(), tenant.strip() if sep else tenant_of_key(key.strip())
+            if not key or not tenant:
+                raise ValueError(f"{path}:{n}: expected KEY or TENANT:KEY")
+            if key in keys:
+                raise ValueError(f"{path}:{n}: this key is listed twice")
+            keys[key] = tenant
+    return keys
+
+
+ROUTES = ("POST /v1/chat/completions", "GET /v1/models", "POST /v1/messages", "POST /v1/messages/count_tokens",
+          "POST /tokenize", "GET /health", "GET /metrics")
 
 
 def is_anthropic(path: str) -> bool:
@@ -43,7 +79,7 @@ def is_anthropic(path: str) -> bool:
 
 
 def error_response(path: str, kind: str, message: str, param: str | None = None,
-                   headers: dict[str, str] | None = None) -> JSONResponse:
+                   headers: dict[str, str] | None = None, code: str | None = None) -> JSONResponse:
     """An error in the shape of the API the path belongs to."""
     status, openai_type, anthropic_type = ERROR_KINDS[kind]
     if is_anthropic(path):
@@ -51,8 +87,8 @@ def error_response(path: str, kind: str, message: str, param: str | None = None,
             status = 529
         body = {"type": "error", "error": {"type": anthropic_type, "message": message}}
     else:
-        code = {"authentication": "invalid_api_key", "overloaded": "server_busy",
-                "too_large": "request_too_large", "not_found": "not_found"}.get(kind)
+        code = code or {"authentication": "invalid_api_key", "overloaded": "server_busy",
+                        "too_large": "request_too_large", "not_found": "not_found"}.get(kind)
         body = {"error": {"message": message, "type": openai_type, "param": param, "code": code}}
     return JSONResponse(body, status_code=status, headers=headers)
 
@@ -98,6 +134,7 @@ class BodyLimit:
 
 class TokenizeRequest(BaseModel):
     text: str | None = None
+    prompt: str | None = None  # vLLM's name for text
     messages: list[dict] | None = None
     tools: list[dict] | None = None
     tier: str | None = None
@@ -107,6 +144,7 @@ class TokenizeRequest(BaseModel):
 def create_app(service: ModelService, settings: ServerSettings | None = None) -> FastAPI:
     settings = settings or ServerSettings()
     engine = service.engine
+    keys = settings.tenants()
 
     @asynccontextmanager
     async def lifespan(app: FastAPI):
@@ -120,7 +158,7 @@ def create_app(service: ModelService, settings: ServerSettings | None = None) ->
                   description="OpenAI- and Anthropic-compatible serving of Horizon models")
     app.state.service = service
     app.state.settings = settings
-    app.state.metrics = metrics = ServerMetrics(engine)
+    app.state.metrics = metrics = ServerMetrics(engine, service.turns)
     app.state.signer = ThinkingSigner(settings.signature_key_file)
 
     @app.middleware("http")
@@ -128,7 +166,7 @@ def create_app(service: ModelService, settings: ServerSettings | None = None) ->
         request_id = "req_" + secrets.token_hex(12)
         request.state.request_id = request_id
         path = request.url.path
-        response = _check_api_key(request, settings)
+        response = _check_api_key(request, keys)
         if response is None:
             try:
                 response = await call_next(request)
@@ -143,7 +181,9 @@ def create_app(service: ModelService, settings: ServerSettings | None = None) ->
 
     @app.exception_handler(ServiceError)
     async def service_error(request: Request, exc: ServiceError):
-        return error_response(request.url.path, exc.kind, exc.message, exc.param)
+        path = request.url.path
+        message = exc.anthropic_message if is_anthropic(path) else exc.message
+        return error_response(path, exc.kind, message, exc.param, code=exc.code)
 
     @app.exception_handler(RequestValidationError)
     async def validation_error(request: Request, exc: RequestValidationError):
@@ -152,7 +192,10 @@ def create_app(service: ModelService, settings: ServerSettings | None = None) ->
     @app.exception_handler(StarletteHTTPException)
     async def http_error(request: Request, exc: StarletteHTTPException):
         kind = {401: "authentication", 404: "not_found", 413: "too_large"}.get(exc.status_code, "invalid_request")
-        message = "not found" if exc.status_code == 404 else str(exc.detail)
+        message = str(exc.detail)
+        if exc.status_code == 404:
+            message = (f"{request.method} {request.url.path} is not a route of this server; it serves "
+                       f"{', '.join(ROUTES)} (see /docs)")
         if exc.status_code == 405:
             message = f"method {request.method} is not allowed on {request.url.path}"
         return error_response(request.url.path, kind, message)
@@ -169,14 +212,18 @@ def create_app(service: ModelService, settings: ServerSettings | None = None) ->
     @app.post("/tokenize")
     async def tokenize(body: TokenizeRequest):
         """Token ids of plain text, or of a chat as the server would render it."""
-        from horizon.server.service import Conversation
-
-        if (body.text is None) == (body.messages is None):
-            raise ServiceError("invalid_request", "send exactly one of 'text' or 'messages'")
-        if body.text is not None:
-            ids = service.tokenizer.encode(body.text)
+        text = body.text if body.text is not None else body.prompt
+        if sum(x is not None for x in (body.text, body.prompt, body.messages)) != 1:
+            raise ServiceError("invalid_request", "send exactly one of 'text' (or 'prompt') or 'messages'")
+        if text is not None:
+            ids = service.tokenizer.encode(text)
         else:
-            conv = Conversation(body.messages, body.tools, body.tier)
+            try:
+                tools = [Tool.from_openai(t) for t in body.tools or ()]
+            except (KeyError, TypeError, AttributeError):
+                raise ServiceError("invalid_request", "tools: each needs a function with a name",
+                                   param="tools") from None
+            conv = Conversation(body.messages, tools, body.tier)
             ids, _ = service.render(conv, add_generation_prompt=body.add_generation_prompt,
                                     pixels=service.decode_images(conv))
         return {"model": service.model_id, "tokens": ids, "count": len(ids),
@@ -191,16 +238,22 @@ def create_app(service: ModelService, settings: ServerSettings | None = None) ->
     return app
 
 
-def _check_api_key(request: Request, settings: ServerSettings) -> Response | None:
-    """None when allowed; else a 401 in the route's shape. Compared in constant time."""
-    if not settings.api_key or not request.url.path.startswith("/v1/"):
+def _check_api_key(request: Request, keys: dict[str, str]) -> Response | None:
+    """None when allowed (the key's tenant set on the request); else a 401 in the route's shape. Every key
+    is compared, in constant time, so the answer's timing says nothing about which came close."""
+    if not keys or not request.url.path.startswith("/v1/"):
         return None
     path = request.url.path
     auth = request.headers.get("authorization", "")
     bearer = auth[7:] if auth[:7].lower() == "bearer " else ""
     # Anthropic's API takes x-api-key; its current SDK may send a Bearer token instead: accept either
-    given = (request.headers.get("x-api-key") or bearer) if is_anthropic(path) else bearer
-    if given and hmac.compare_digest(given.encode(), settings.api_key.encode()):
+    given = ((request.headers.get("x-api-key") or bearer) if is_anthropic(path) else bearer).encode()
+    tenant = None
+    for key, name in keys.items():
+        if hmac.compare_digest(given, key.encode()) and given:
+            tenant = name
+    if tenant is not None:
+        request.state.tenant = tenant
         return None
     where = "x-api-key header" if is_anthropic(path) else "Authorization: Bearer header"
     return error_response(path, "authentication", f"missing or invalid API key (send it in the {where})")

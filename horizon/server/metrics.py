@@ -40,8 +40,27 @@ class EngineCollector:
         yield tiers
 
 
+class TurnStoreCollector:
+    """The server's memory of thinking turns (horizon.serving.turns): size, and restorations made and missed."""
+
+    def __init__(self, turns):
+        self.turns = turns
+
+    def collect(self):
+        t = self.turns
+        for name, doc, value in (
+                ("thinking_restored_turns", "assistant turns given back the thinking their client dropped", t.restored),
+                ("thinking_unknown_turns", "tool-call turns without thinking the server could not restore (left to "
+                                           "the history policy)", t.unknown),
+                ("thinking_store_turns", "thinking turns kept for restoration", len(t)),
+                ("thinking_store_bytes", "bytes the kept thinking turns take", t.nbytes)):
+            g = GaugeMetricFamily(f"horizon_{name}", doc)
+            g.add_metric([], float(value))
+            yield g
+
+
 class ServerMetrics:
-    def __init__(self, engine: Engine):
+    def __init__(self, engine: Engine, turns=None):
         self.registry = CollectorRegistry()
         self.requests = Counter("horizon_requests", "HTTP requests by endpoint and status", ["endpoint", "status"],
                                 registry=self.registry)
@@ -50,6 +69,8 @@ class ServerMetrics:
                               buckets=(0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 30, 60),
                               registry=self.registry)
         self.registry.register(EngineCollector(engine))
+        if turns is not None:
+            self.registry.register(TurnStoreCollector(turns))
 
     def observe_usage(self, usage: Usage) -> None:
         self.tokens.labels("prompt").inc(usage.prompt_tokens)

@@ -1,43 +1,47 @@
 """OpenAI-compatible routes: `GET /v1/models` and `POST /v1/chat/completions` (streaming and not).
 
-A thin adapter over `ModelService`: the request becomes a `Conversation`, `SamplingParams` (one per
-choice) and an optional `ConstraintSpec`; the engine's parser deltas become a `chat.completion`
-(or `chat.completion.chunk` events). Choices made where OpenAI leaves room or Horizon differs:
+A thin adapter over the serving seam: the body becomes a `ChatRequest` (conversation, tool policy,
+sampling; `horizon.serving` validates, renders, sizes, constrains and submits it, and restores
+thinking the client dropped); the engine's parser deltas become a `chat.completion` (or
+`chat.completion.chunk` events). Choices made where OpenAI leaves room or Horizon differs:
 
 * `model` must be the served id; another id is a 404 `model_not_found`, as OpenAI answers.
 * `reasoning_effort`: minimal|low -> low, medium|high -> high, xhigh|max -> max, none -> off. Absent:
-  thinking off (what a client that never asked for reasoning expects, and cheapest).
+  thinking off (what a client that never asked for reasoning expects, and cheapest). The seeds'
+  `thinking_budget` says the same: `"none" | "low" | "high" | "max"`, or an integer cap on thinking
+  tokens (the prompt states the smallest tier whose budget covers it); it must agree with
+  `reasoning_effort` when both are sent.
 * `max_completion_tokens` (or `max_tokens`) counts thinking. Absent: 4096 answer tokens plus the
-  tier's thinking budget, capped by what the context window leaves after the prompt.
-* `tool_choice`: `auto` is free generation (the parser reads calls) unless a tool is `strict`,
-  `parallel_tool_calls` is false or a `response_format` is set: then a grammar holds the answer to
-  text and/or well-formed calls. `required` and a named function force calls by grammar (a named
-  function: exactly one call). `strict: true` constrains a tool's arguments to its schema; other
-  tools' arguments to any JSON object. `none` keeps the tools in the prompt (so the prompt prefix is
-  the same as on turns that may call them and the cache is reused) and gives the tool-call token a
-  logit bias of -100, which no logit of a real model overcomes.
-* `response_format` `json_schema` is always enforced (strict or not); `json_object` is any object.
-  With tools under `auto` the answer is that JSON or tool calls; under `required`/named, calls.
+  thinking budget, capped by what the context window leaves after the prompt. A prompt that does not
+  fit is a 400 with `code: context_length_exceeded` and OpenAI's wording.
+* Tools (`horizon.serving.policy` has the rules): no tools or `tool_choice: none` bans the tool-call
+  token; under `auto` a grammar allows text and/or calls to the declared tools only (a `strict` tool's
+  arguments follow its schema, others' any JSON object); `required` and a named function force calls
+  whose arguments follow the schema, strict or not (a named function: exactly one call).
+  `parallel_tool_calls: false` allows one call.
+* `response_format` `json_schema` is always enforced (strict or not), thinking on or off; `json_object`
+  is any object. With tools under `auto` the answer is that JSON or tool calls.
+* Thinking turns sent back without `reasoning_content` (which Chat Completions has no request field
+  for) are restored from the server's memory when they match what it generated; the
+  `x-horizon-restored` header counts them.
 * `n`: n engine requests with seeds seed+i; usage counts the prompt once (as OpenAI does).
 * The assistant message carries `reasoning_content` ("" when thinking was on and empty, null when
   off) and the Horizon field `thinking_tier`, and call `arguments` exactly as generated, so a client
   that appends it verbatim renders the exact tokens of this turn and the next turn reuses the cache.
 * Malformed model output never fails a request. Every call the parser read is returned in
-  `tool_calls` with its arguments as generated (even invalid JSON: the history stays exact and the
-  client's tool runner reports the error back to the model, as agents do); a call whose name could
-  not be read (no client could run it) is returned as text in `content`. Each problem is listed in
-  the choice's `parse_errors` ([{code, message, tool_call_index}]), a Horizon extension.
+  `tool_calls` with its arguments as generated; a call whose name could not be read (no client could
+  run it) is returned as text in `content`. Each problem is listed in the choice's `parse_errors`
+  ([{code, message, tool_call_index}]), a Horizon extension.
 * `logprobs.content` covers the answer tokens (text, tool calls, the end token); thinking tokens are
   in `logprobs.reasoning_content` (extension). Special tokens appear as their text.
-* History warnings (policy `warn`, calls with invalid arguments, unknown tools) are listed in the
-  `x-horizon-warning` response header.
+* History warnings (policy `warn`, calls with invalid arguments, unknown tools, schemas held to any
+  object) are listed in the `x-horizon-warning` response header.
 """
 
 from __future__ import annotations
 
 import asyncio
 import contextlib
-import dataclasses
 import json
 import secrets
 import time
@@ -55,15 +59,25 @@ from horizon.chat import (
     TextDelta,
     ToolCallArgs,
     ToolCallStart,
+    tier_from_budget_tokens,
     tier_from_reasoning_effort,
 )
-from horizon.engine import ConstraintError, ConstraintSpec, FinishEvent, SamplingParams, TokenEvent, Usage
+from horizon.engine import FinishEvent, SamplingParams, TokenEvent, Usage
+from horizon.server.http import request_tenant, response_headers, run_until_done
 from horizon.server.openai_types import ChatCompletionRequest
-from horizon.server.service import Conversation, ModelService, ServiceError
+from horizon.serving import (
+    ANONYMOUS,
+    ChatRequest,
+    Conversation,
+    ModelService,
+    ServiceError,
+    Tool,
+    ToolPolicy,
+    finish_reason,
+)
+from horizon.serving.turns import NamelessCallsAsText
 
 STARTED = int(time.time())
-DEFAULT_ANSWER_TOKENS = 4096  # default room for the answer, on top of the tier's thinking budget
-NO_ARGUMENTS = {"type": "object", "properties": {}, "additionalProperties": False}
 
 
 class OpenAIRoute(APIRoute):
@@ -127,60 +141,51 @@ def validation_error(exc: RequestValidationError) -> JSONResponse:
     return openai_error(400, "invalid request: " + "; ".join(messages), param=param)
 
 
-# --- request -> conversation, sampling, constraint ----------------------------------------------------
-@dataclasses.dataclass
-class Plan:
-    conversation: Conversation
-    params: SamplingParams  # choice 0's; choice i gets seed + i
-    constraint: ConstraintSpec | None
-    constraint_sources: tuple[str, ...]  # request fields whose schemas the constraint holds
-    json_schema: dict[str, Any] | None  # of response_format, when set
-
-
-def plan_request(body: ChatCompletionRequest, service: ModelService) -> Plan:
+# --- request -> the neutral request -------------------------------------------------------------------
+def thinking_of(body: ChatCompletionRequest, budgets: dict[str, int]) -> tuple[str | None, int | None]:
+    """(tier, thinking-token cap or None for the tier's) from `reasoning_effort` and/or `thinking_budget`."""
     tier = tier_from_reasoning_effort(body.reasoning_effort) if body.reasoning_effort else None
-    tools = body.tools or []
-    names = [t.function.name for t in tools]
-    duplicate = next((n for i, n in enumerate(names) if n in names[:i]), None)
-    if duplicate is not None:
-        raise ServiceError("invalid_request", f"the tool name {duplicate!r} is defined twice", param="tools")
-    choice = body.tool_choice if body.tool_choice is not None else "auto"
-    named = None if isinstance(choice, str) else choice.function.name
-    if (named or choice == "required") and not tools:
-        raise ServiceError("invalid_request", "tool_choice requires tools: none are offered", param="tool_choice")
-    if named and named not in names:
-        raise ServiceError("invalid_request", f"tool_choice names the function {named!r}, which is not among the "
-                                              f"tools offered ({', '.join(names)})", param="tool_choice")
+    budget, cap = body.thinking_budget, None
+    if budget is None:
+        return tier, None
+    if isinstance(budget, int):
+        cap, from_budget = budget, tier_from_budget_tokens(budget, budgets)
+    else:
+        from_budget = None if budget == "none" else budget
+    if body.reasoning_effort is not None and from_budget != tier:
+        raise ServiceError("invalid_request", f"thinking_budget {budget!r} (thinking {from_budget or 'off'}) "
+                                              f"disagrees with reasoning_effort {body.reasoning_effort!r} (thinking "
+                                              f"{tier or 'off'}); send one of them, or two that agree",
+                           param="thinking_budget")
+    return from_budget, cap
+
+
+def plan_request(body: ChatCompletionRequest, service: ModelService, tenant: str = ANONYMOUS) -> ChatRequest:
     if body.top_logprobs is not None and not body.logprobs:
         raise ServiceError("invalid_request", "top_logprobs needs logprobs: true", param="top_logprobs")
-
+    tier, budget = thinking_of(body, service.budgets)
     vocab = service.tokenizer.vocab_size
     bias = body.bias
     bad = [t for t in bias if not 0 <= t < vocab]
     if bad:
         raise ServiceError("invalid_request", f"logit_bias keys must be token ids in [0, {vocab}); got {bad[0]}",
                            param="logit_bias")
-    if tools and choice == "none":  # see the module docstring
-        bias[service.tokenizer.special.tool_call] = -100.0
-
-    json_schema = response_schema(body)
-    constraint, sources = constraint_for(body, choice, json_schema)
-
+    tools = [Tool(t.function.name, t.function.parameters, t.function.description, bool(t.function.strict))
+             for t in body.tools or ()]
     try:
-        json.dumps([t.function.parameters for t in tools], allow_nan=False)
+        json.dumps([t.parameters for t in tools], allow_nan=False)
     except ValueError:
         raise ServiceError("invalid_request", "tool parameters must be JSON (NaN and Infinity are not)",
                            param="tools") from None
-    rendered_tools = [{"type": "function", "function": {k: v for k, v in (("name", t.function.name),
-                                                                          ("description", t.function.description),
-                                                                          ("parameters", t.function.parameters))
-                                                        if v is not None}} for t in tools] or None
-    params = SamplingParams(max_tokens=body.max_new_tokens or 1, temperature=body.temperature, top_p=body.top_p,
-                            seed=body.seed, stop=body.stop_list,
+    choice = body.tool_choice if body.tool_choice is not None else "auto"
+    policy = ToolPolicy(choice if isinstance(choice, str) else choice.function.name,
+                        parallel=body.parallel_tool_calls and isinstance(choice, str),
+                        response_schema=response_schema(body))
+    params = SamplingParams(temperature=body.temperature, top_p=body.top_p, seed=body.seed, stop=body.stop_list,
                             logprobs=(body.top_logprobs or 0) if body.logprobs else None,
                             presence_penalty=body.presence_penalty, frequency_penalty=body.frequency_penalty,
-                            logit_bias=bias, tier=tier)
-    return Plan(Conversation(body.messages, rendered_tools, tier), params, constraint, sources, json_schema)
+                            logit_bias=bias, thinking_budget=budget)
+    return ChatRequest(Conversation(body.messages, tools, tier), policy, params, body.max_new_tokens, tenant)
 
 
 def response_schema(body: ChatCompletionRequest) -> dict[str, Any] | None:
@@ -191,46 +196,6 @@ def response_schema(body: ChatCompletionRequest) -> dict[str, Any] | None:
     if fmt.type == "json_schema" and fmt.json_schema.schema_ is not None:
         return fmt.json_schema.schema_
     return {"type": "object"}
-
-
-def constraint_for(body: ChatCompletionRequest, choice, json_schema) -> tuple[ConstraintSpec | None, tuple[str, ...]]:
-    """The grammar for tool_choice, strict tools, parallel_tool_calls and response_format (see the module
-    docstring), and the request fields whose schemas it holds."""
-    tools = body.tools or []
-    specs = [(t.function.name, (t.function.parameters or NO_ARGUMENTS) if t.function.strict else None)
-             for t in tools]
-    if not tools or choice == "none":
-        return (ConstraintSpec.for_json(json_schema), ("response_format",)) if json_schema is not None else (None, ())
-    if not isinstance(choice, str):  # a named function: exactly one call to it
-        named = [s for s in specs if s[0] == choice.function.name]
-        return ConstraintSpec.for_tools(named, required=True, parallel=False), ("tools",)
-    if choice == "required":
-        return ConstraintSpec.for_tools(specs, required=True, parallel=body.parallel_tool_calls), ("tools",)
-    strict = any(schema is not None for _, schema in specs)
-    if json_schema is not None:
-        spec = ConstraintSpec.for_tools(specs, parallel=body.parallel_tool_calls, json_schema=json_schema)
-        return spec, ("tools", "response_format")
-    if strict or not body.parallel_tool_calls:
-        return ConstraintSpec.for_tools(specs, parallel=body.parallel_tool_calls), ("tools",)
-    return None, ()  # free generation: the parser reads whatever calls the model writes
-
-
-def check_constraint(plan: Plan, service: ModelService) -> None:
-    """Compile the grammar now (it is cached for the engine), so a bad schema is a 400 naming its field."""
-    if plan.constraint is None:
-        return
-    grammars = service.engine.grammars
-    try:
-        grammars.matcher(plan.constraint)
-    except ConstraintError as e:
-        param = plan.constraint_sources[0]
-        if len(plan.constraint_sources) > 1:  # which one failed: try the response format alone
-            try:
-                grammars.matcher(ConstraintSpec.for_json(plan.json_schema))
-                param = "tools"
-            except ConstraintError:
-                param = "response_format"
-        raise ServiceError("invalid_request", f"{param}: {e}", param=param) from None
 
 
 # --- engine events -> OpenAI message pieces ----------------------------------------------------------
@@ -244,7 +209,8 @@ class Choice:
         self.reasoning: list[str] = []
         self.content: list[str] = []
         self.calls: list[dict[str, Any]] = []  # {"id", "name", "arguments"}, in API order
-        self.api_index: dict[int, int | None] = {}  # parser call index -> API index (None: sent as text)
+        self.api_index: dict[int, int] = {}  # parser call index -> API index
+        self.as_text = NamelessCallsAsText()
         self.errors: list[dict[str, Any]] = []
         self.logprobs = logprobs
         self.lp_content: list[dict] = []
@@ -285,24 +251,18 @@ class Choice:
             else:
                 pieces.append({key: s})
 
-        for d in deltas:
+        for d in self.as_text(deltas):  # a call whose name could not be read: its text goes to the content
             if isinstance(d, ReasoningDelta):
                 text("reasoning_content", d.text)
             elif isinstance(d, TextDelta):
                 text("content", d.text)
             elif isinstance(d, ToolCallStart):
-                if not d.name:  # no client could run it: its text goes to the content
-                    self.api_index[d.index] = None
-                    continue
                 i = self.api_index[d.index] = len(self.calls)
                 self.calls.append({"id": d.id, "name": d.name, "arguments": ""})
                 pieces.append({"tool_calls": [{"index": i, "id": d.id, "type": "function",
                                                "function": {"name": d.name, "arguments": ""}}]})
             elif isinstance(d, ToolCallArgs):
-                i = self.api_index.get(d.index)
-                if i is None:
-                    text("content", d.text)
-                    continue
+                i = self.api_index[d.index]
                 self.calls[i]["arguments"] += d.text
                 pieces.append({"tool_calls": [{"index": i, "function": {"arguments": d.text}}]})
             elif isinstance(d, ErrorDelta):
@@ -327,9 +287,7 @@ class Choice:
 
     @property
     def finish_reason(self) -> str:
-        if self.finish.reason == "length":
-            return "length"
-        return "tool_calls" if self.calls else "stop"
+        return finish_reason(self.finish.reason, len(self.calls))
 
     def message(self) -> dict[str, Any]:
         content = "".join(self.content)
@@ -389,14 +347,6 @@ async def merged(streams) -> AsyncIterator[tuple[int, TokenEvent | FinishEvent]]
             task.cancel()
 
 
-def warning_header(prepared) -> dict[str, str]:
-    if not prepared.warnings:
-        return {}
-    text = "; ".join(f"messages[{w.index}]: {w.message} [{w.code}]" for w in prepared.warnings)
-    text = " ".join(text.split()).encode("ascii", "backslashreplace").decode()  # a header is one latin-1 line
-    return {"x-horizon-warning": text[:4000]}
-
-
 # --- the route ---------------------------------------------------------------------------------------
 @router.post("/v1/chat/completions")
 async def chat_completions(body: ChatCompletionRequest, request: Request):
@@ -405,22 +355,12 @@ async def chat_completions(body: ChatCompletionRequest, request: Request):
     if body.model != service.model_id:
         return openai_error(404, f"The model {body.model!r} does not exist; this server serves "
                                  f"{service.model_id!r}", param="model", code="model_not_found")
-    plan = plan_request(body, service)
-    params = plan.params
-    prepared = service.prepare(plan.conversation, params)  # history policy, rendering, window check
-    if body.max_new_tokens is None:
-        room = service.context_window - len(prepared.prompt_ids)
-        thinking = service.engine.budgets.get(plan.conversation.tier, 0) if plan.conversation.tier else 0
-        params.max_tokens = min(room, DEFAULT_ANSWER_TOKENS + int(thinking))
-    check_constraint(plan, service)
-
+    prepared = service.prepare(plan_request(body, service, request_tenant(request)))
     request_id = getattr(request.state, "request_id", None) or "req_" + secrets.token_hex(12)
     streams = []
     try:
         for i in range(body.n):
-            seed = params.seed + i if params.seed is not None else None
-            streams.append(service.start(prepared, dataclasses.replace(params, seed=seed), plan.constraint,
-                                         request_id=f"{request_id}-{i}"))
+            streams.append(service.start(prepared, seed_offset=i, request_id=f"{request_id}-{i}"))
     except BaseException:
         for s in streams:
             s.cancel()
@@ -428,14 +368,15 @@ async def chat_completions(body: ChatCompletionRequest, request: Request):
 
     head = {"id": "chatcmpl-" + request_id.removeprefix("req_"), "created": int(time.time()),
             "model": service.model_id}
-    run = Completion(head, [Choice(i, plan.conversation.tier, service.tokenizer, body.logprobs)
-                            for i in range(body.n)], streams, request.app.state.metrics, arrived)
-    headers = warning_header(prepared)
+    tier = prepared.conversation.tier
+    run = Completion(head, [Choice(i, tier, service.tokenizer, body.logprobs) for i in range(body.n)], streams,
+                     request.app.state.metrics, arrived)
+    headers = response_headers(prepared)
     if body.stream:
         include_usage = bool(body.stream_options and body.stream_options.include_usage)
         return StreamingResponse(run.sse(include_usage), media_type="text/event-stream",
                                  headers={**headers, "cache-control": "no-cache"})
-    if not await run.gather(request):
+    if not await run_until_done(request, run.consume(), run.cancel):
         return Response(status_code=499)  # the client went away (nginx's code); nobody reads this
     return JSONResponse(run.result(), headers=headers)
 
@@ -475,29 +416,11 @@ class Completion:
             s.cancel()
 
     # non-streaming ----------------------------------------------------------------------------------
-    async def gather(self, request: Request) -> bool:
-        """Run every choice to its end (True); stop at once if the client goes away (False)."""
-
-        async def consume():
-            async with contextlib.aclosing(merged(self.streams)) as events:
-                async for i, event in events:
-                    self.on_event(i, event)
-
-        async def client_gone():
-            while (await request.receive())["type"] != "http.disconnect":
-                pass
-
-        work, watch = asyncio.create_task(consume()), asyncio.create_task(client_gone())
-        try:
-            await asyncio.wait({work, watch}, return_when=asyncio.FIRST_COMPLETED)
-            if not work.done():
-                return False
-            work.result()  # re-raise what went wrong in it, if anything
-            return True
-        finally:
-            for task in (work, watch):
-                task.cancel()
-            self.cancel()
+    async def consume(self) -> None:
+        """Run every choice to its end."""
+        async with contextlib.aclosing(merged(self.streams)) as events:
+            async for i, event in events:
+                self.on_event(i, event)
 
     def result(self) -> dict[str, Any]:
         failed = next((c for c in self.choices if c.failed), None)

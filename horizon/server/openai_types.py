@@ -14,6 +14,7 @@ from pydantic import BaseModel, ConfigDict, Field, field_validator
 
 MAX_CHOICES = 16  # n: each choice is one engine request; more than this is better sent as separate requests
 MAX_STOP = 16  # the engine's limit on stop strings (OpenAI allows 4)
+THINKING_BUDGETS = ("none", "low", "high", "max")
 SEED_MAX = 2**63 - 1 - MAX_CHOICES  # seeds seed+i must still fit torch's 64-bit generator seed
 
 
@@ -80,6 +81,7 @@ class ChatCompletionRequest(Lenient):
     parallel_tool_calls: bool = True
     response_format: ResponseFormat | None = None
     reasoning_effort: Literal["none", "minimal", "low", "medium", "high", "xhigh", "max"] | None = None
+    thinking_budget: Any = None  # the seeds' field: "none" | "low" | "high" | "max" | a token cap (checked below)
     max_completion_tokens: Annotated[int, Field(ge=1)] | None = None
     max_tokens: Annotated[int, Field(ge=1)] | None = None  # OpenAI's older name
     temperature: Annotated[float, Field(ge=0, le=2)] = 1.0
@@ -99,6 +101,16 @@ class ChatCompletionRequest(Lenient):
         if v == "":
             raise ValueError("a stop string must not be empty")
         return v
+
+    @field_validator("thinking_budget")
+    @classmethod
+    def _thinking_budget(cls, v):
+        if v is None or v in THINKING_BUDGETS and isinstance(v, str):
+            return v
+        if isinstance(v, int) and not isinstance(v, bool) and v >= 1:
+            return v
+        raise ValueError(f"must be one of {', '.join(map(repr, THINKING_BUDGETS))} or an integer >= 1 (a cap on "
+                         f"thinking tokens), got {v!r}")
 
     @field_validator("logit_bias")
     @classmethod
