@@ -196,7 +196,8 @@ def _build_app(model: str | None, served_model_name: str | None = None, api_keys
                history_policy: str = "reject", signature_key_file: str | None = None, max_num_seqs: int = 16,
                max_model_len: int | None = None, max_batch_tokens: int = 512, coverage_every: int = 64,
                max_queue: int = 64, max_body_bytes: int = 16 * 1024 * 1024, local_images: str | None = None,
-               thinking_store_mb: float = 64):
+               thinking_store_mb: float = 64, responses_db: str | None = None,
+               responses_retention_days: float = 30, reasoning_key_file: str | None = None):
     """(the FastAPI app over one engine, the served model id, the checkpoint's source)."""
     import os
 
@@ -217,6 +218,8 @@ def _build_app(model: str | None, served_model_name: str | None = None, api_keys
     service = ModelService(engine, bundle.tokenizer, model_id, history_policy=history_policy, max_queue=max_queue,
                            image_limits=limits, turn_store_bytes=int(thinking_store_mb * 1024**2))
     app = create_app(service, ServerSettings(api_keys=api_keys or {}, max_body_bytes=max_body_bytes,
+                                             responses_db=responses_db, reasoning_key_file=reasoning_key_file,
+                                             responses_retention_days=responses_retention_days,
                                              signature_key_file=signature_key_file))
     return app, model_id, bundle.source
 
@@ -246,7 +249,8 @@ def _cmd_serve(args: argparse.Namespace) -> int:
         app, model_id, source = _build_app(args.model, args.served_model_name, keys, args.history_policy,
                                            args.signature_key_file, args.max_num_seqs, args.max_model_len,
                                            args.max_batch_tokens, args.coverage_every, args.max_queue,
-                                           args.max_body_bytes, args.allow_local_images, args.thinking_store_mb)
+                                           args.max_body_bytes, args.allow_local_images, args.thinking_store_mb,
+                                           args.responses_db, args.responses_retention_days, args.reasoning_key_file)
     except ValueError as e:  # a setting the model or engine cannot take (e.g. --max-model-len past the window)
         raise SystemExit(f"horizon serve: {e}") from None
     print(f"horizon serve: {model_id} ({source}) on http://{args.host}:{args.port} "
@@ -288,8 +292,9 @@ def _cmd_agent(args: argparse.Namespace) -> int:
             # thinking signatures only need to verify within this run: a throwaway key
             keys = stack.enter_context(tempfile.TemporaryDirectory(prefix="horizon-agent-"))
             app, model_id, source = _build_app(args.model, api_keys={api_key: "agent"} if api_key else None,
-                                               max_num_seqs=4,
-                                               signature_key_file=os.path.join(keys, "signature.key"))
+                                               max_num_seqs=4, signature_key_file=os.path.join(keys, "signature.key"),
+                                               responses_db=":memory:",
+                                               reasoning_key_file=os.path.join(keys, "reasoning.keys"))
             server = stack.enter_context(BackgroundServer(app))
             base_url = server.url
             printer.note(f"{model_id} ({source}) served in-process on {base_url}")
@@ -589,6 +594,14 @@ def build_parser() -> argparse.ArgumentParser:
                         "restore from its own memory (DESIGN 3)")
     p.add_argument("--thinking-store-mb", type=float, default=64,
                    help="memory for the thinking turns kept to restore for clients that drop them (0: off)")
+    p.add_argument("--responses-db", default=None, metavar="PATH",
+                   help="the Responses API's store (SQLite; default: ~/.local/state/horizon/responses.sqlite3; "
+                        ":memory: keeps nothing across restarts)")
+    p.add_argument("--responses-retention-days", type=float, default=30,
+                   help="stored responses older than this are deleted")
+    p.add_argument("--reasoning-key-file", default=None,
+                   help="AES-GCM keys sealing Responses reasoning.encrypted_content, newest first "
+                        "(default: beside the signature key)")
     p.add_argument("--signature-key-file", default=None,
                    help="HMAC key for thinking signatures (default: ~/.local/state/horizon/thinking-signature.key)")
     p.add_argument("--max-num-seqs", type=int, default=16, help="sequences decoded together")

@@ -31,7 +31,9 @@ class LiveServer(BackgroundServer):
                                     max_queue=max_queue)
         self.app = create_app(self.service, ServerSettings(api_key=api_key, api_keys=api_keys or {},
                                                            max_body_bytes=max_body_bytes,
-                                                           signature_key_file=str(key_dir / "signature.key")))
+                                                           signature_key_file=str(key_dir / "signature.key"),
+                                                           reasoning_key_file=str(key_dir / "reasoning.keys"),
+                                                           responses_db=str(key_dir / "responses.sqlite3")))
         self.api_key = api_key
         super().__init__(self.app)
 

@@ -20,7 +20,8 @@ def server(tmp_path_factory):
 def test_no_generated_request_gets_a_server_error(server):
     schema = schemathesis.openapi.from_url(server.url + "/openapi.json")
     operations = [result.ok() for result in schema.get_all_operations()]
-    assert {op.path for op in operations} >= {"/v1/chat/completions", "/v1/messages", "/tokenize"}
+    assert {op.path for op in operations} >= {"/v1/chat/completions", "/v1/messages", "/tokenize", "/v1/responses",
+                                             "/v1/responses/{response_id}"}
     statuses = []
     for op in operations:
         check(op, server.service.model_id, statuses)

@@ -40,7 +40,8 @@ def sample(logits: torch.Tensor, params: SamplingParams, generated: list[int],
         logits = logits.masked_fill(~allowed, float("-inf"))
     if params.temperature == 0:
         return int(logits.argmax())
-    logits = logits / params.temperature
+    # the best logit is 0 before dividing, so any temperature > 0 stays finite (a tiny one acts as greedy)
+    logits = (logits - logits.max()) / params.temperature
     if params.top_k and params.top_k < logits.shape[0]:
         kth = logits.topk(params.top_k).values[-1]
         logits = logits.masked_fill(logits < kth, float("-inf"))
@@ -49,6 +50,7 @@ def sample(logits: torch.Tensor, params: SamplingParams, generated: list[int],
         sorted_probs, order = probs.sort(descending=True)
         # keep the smallest prefix whose mass reaches top_p (the token that crosses it included)
         drop = sorted_probs.cumsum(0) - sorted_probs >= params.top_p
+        drop[0] = False  # the most likely token always stays (a top_p below fp32's resolution reads as 0)
         sorted_probs = sorted_probs.masked_fill(drop, 0.0)
         probs = torch.zeros_like(probs).scatter_(0, order, sorted_probs)
     return int(torch.multinomial(probs, 1, generator=generator))

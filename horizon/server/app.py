@@ -27,8 +27,10 @@ from pydantic import BaseModel
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
 from horizon.server.metrics import ServerMetrics
-from horizon.server.signatures import ThinkingSigner
+from horizon.server.signatures import ThinkingSigner, default_key_file
 from horizon.serving import ERROR_KINDS, Conversation, ModelService, ServiceError, Tool
+from horizon.serving.responses_store import ResponseStore
+from horizon.serving.sealed import ReasoningSeal
 
 log = logging.getLogger("horizon.server")
 
@@ -39,6 +41,9 @@ class ServerSettings:
     api_keys: dict[str, str] = field(default_factory=dict)  # key -> tenant name; none at all: no authentication
     max_body_bytes: int = 16 * 1024 * 1024
     signature_key_file: str | None = None  # None: horizon.server.signatures.default_key_file()
+    responses_db: str | None = None  # the Responses API's store; None: responses.sqlite3 in the state directory
+    responses_retention_days: float = 30
+    reasoning_key_file: str | None = None  # keys sealing encrypted reasoning; None: beside the signature key
 
     def tenants(self) -> dict[str, str]:
         keys = dict(self.api_keys)
@@ -70,7 +75,8 @@ def read_keys_file(path: str) -> dict[str, str]:
     return keys
 
 
-ROUTES = ("POST /v1/chat/completions", "GET /v1/models", "POST /v1/messages", "POST /v1/messages/count_tokens",
+ROUTES = ("POST /v1/chat/completions", "POST /v1/responses", "GET|DELETE /v1/responses/{id}",
+          "GET /v1/responses/{id}/input_items", "GET /v1/models", "POST /v1/messages", "POST /v1/messages/count_tokens",
           "POST /tokenize", "GET /health", "GET /metrics")
 
 
@@ -160,6 +166,10 @@ def create_app(service: ModelService, settings: ServerSettings | None = None) ->
     app.state.settings = settings
     app.state.metrics = metrics = ServerMetrics(engine, service.turns)
     app.state.signer = ThinkingSigner(settings.signature_key_file)
+    app.state.reasoning_seal = ReasoningSeal(settings.reasoning_key_file)
+    app.state.responses_store = ResponseStore(settings.responses_db or str(default_key_file().parent /
+                                                                           "responses.sqlite3"),
+                                              retention_s=settings.responses_retention_days * 86400)
 
     @app.middleware("http")
     async def request_ids_auth_and_counts(request: Request, call_next):
@@ -231,9 +241,10 @@ def create_app(service: ModelService, settings: ServerSettings | None = None) ->
 
     app.add_middleware(BodyLimit, max_bytes=settings.max_body_bytes)
 
-    from horizon.server import anthropic, openai
+    from horizon.server import anthropic, openai, responses
 
     app.include_router(openai.router)
+    app.include_router(responses.router)
     app.include_router(anthropic.router)
     return app
 

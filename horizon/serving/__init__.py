@@ -7,7 +7,8 @@ the same way. This package knows no HTTP (no FastAPI, nothing of `horizon.server
 
 Files: `service` (ModelService, the request path and its errors), `policy` (tool choice, strict
 schemas and response formats -> grammar and banned tokens), `turns` (what a generated turn returns,
-and the TurnStore that restores thinking for clients that drop it).
+and the TurnStore that restores thinking for clients that drop it), `responses_store` (the Responses
+API's SQLite store, per tenant) and `sealed` (AES-GCM sealing of reasoning for stateless clients).
 """
 
 from horizon.serving.policy import Tool, ToolPolicy, answer_reserve
