@@ -206,7 +206,8 @@ class ModelService:
             raise ServiceError("invalid_request", str(e), param="messages") from None
         return out.ids, images
 
-    def restore_thinking(self, conv: Conversation, tenant: str, pixels: dict[int, Any]) -> tuple[Conversation, int]:
+    def restore_thinking(self, conv: Conversation, tenant: str, pixels: dict[int, Any],
+                         digests: dict[int, str] | None = None) -> tuple[Conversation, int]:
         """The conversation with the thinking of this server's own turns put back where the client dropped it
         (only where the whole conversation before the turn, and the turn, match what it was generated from)."""
         messages, count = list(conv.messages), 0
@@ -218,19 +219,28 @@ class ModelService:
                 ids, images = self.render(before, add_generation_prompt=False, pixels=pixels)
             except ServiceError:
                 break  # an unreadable history: the history check reports it
-            stored = self.turns.find(tenant, TurnStore.prefix_hash(ids, [image_digest(x) for x in images]), m)
+            stored = self.turns.find(tenant, TurnStore.prefix_hash(ids, self._digests(images, digests)), m)
             if stored is not None:
                 messages[i] = restored(m, stored)
                 count += 1
         self.turns.restored += count
         return dataclasses.replace(conv, messages=messages), count
 
+    @staticmethod
+    def _digests(images: list[Any], memo: dict[int, str] | None) -> list[str]:
+        memo = {} if memo is None else memo
+        for x in images:
+            if id(x) not in memo:
+                memo[id(x)] = image_digest(x)
+        return [memo[id(x)] for x in images]
+
     # --- the request -----------------------------------------------------------------------------------
     def prepare(self, req: ChatRequest) -> Prepared:
         """Restore, validate, render, size and constrain a request (module docstring); ServiceError if refused."""
         conv = req.conversation
         pixels = self.decode_images(conv)
-        conv, restored_turns = self.restore_thinking(conv, req.tenant, pixels)
+        digests: dict[int, str] = {}  # each image's pixels are hashed once, however many prefixes hold it
+        conv, restored_turns = self.restore_thinking(conv, req.tenant, pixels, digests)
         warnings = self.check_history(conv)
         if conv.tier is not None:  # tool-call turns still without thinking: left to the history policy
             self.turns.unknown += sum(needs_thinking(m) and bool(m.get("tool_calls")) for m in conv.messages)
@@ -252,7 +262,7 @@ class ModelService:
         if req.request_id:
             request.request_id = req.request_id
         gen_prompt = len(self.template.generation_prompt(conv.tier))
-        prefix = TurnStore.prefix_hash(ids[:-gen_prompt], [image_digest(x) for x in images])
+        prefix = TurnStore.prefix_hash(ids[:-gen_prompt], self._digests(images, digests))
         return Prepared(request, conv, prefix, req.tenant, req.record and conv.tier is not None,
                         warnings + policy_warnings, restored_turns)
 
