@@ -11,11 +11,15 @@ A checkpoint folder holds
 
     horizon.save(model, "ckpt/", quantize="mxfp4")
     model = horizon.load("ckpt/", dtype=torch.bfloat16)
+    model = horizon.load("ckpt/", check_finite=True)   # also refuse NaN/Inf weights (check_finite_weights)
 
 `load` also reads Hugging Face folders of other model families (`horizon.interop`): their config
 is translated to a ModelConfig and their tensors renamed, so they run on the one Horizon model.
 Every way a checkpoint can be broken (a missing or truncated shard, a tensor of the wrong shape, a
 missing or unexpected tensor, an unknown model_type) is a ValueError naming the file and tensor.
+So is a config.json that lacks a field or holds a value of the wrong type (`ModelConfig.from_dict`),
+and a generation_config.json whose keys Horizon reads are wrong (`validate_generation_config`; keys
+Horizon does not read, such as Hugging Face's eos_token_id or do_sample, are kept and ignored).
 """
 
 from __future__ import annotations
@@ -23,8 +27,9 @@ from __future__ import annotations
 import json
 import math
 import shutil
-from collections.abc import Iterator
+from collections.abc import Iterator, Mapping
 from dataclasses import dataclass
+from itertools import chain
 from pathlib import Path
 from typing import Any
 
@@ -36,6 +41,10 @@ from horizon.config import ModelConfig
 from horizon.model.model import HorizonForCausalLM
 from horizon.quant import canonical_name as _canonical_name  # `<name>.blocks` (gpt-oss) -> `<name>_blocks`
 from horizon.quant import empty_quantized_model
+from horizon.quant.layers import MXFP4Experts, MXFP4Linear
+from horizon.quant.mxfp4 import BLOCK as MXFP4_BLOCK
+from horizon.quant.mxfp4 import E8M0_BIAS
+from horizon.quant.mxfp4 import dequantize as mxfp4_dequantize
 from horizon.quant.mxfp4 import quantize as mxfp4_quantize
 
 CONFIG = "config.json"
@@ -226,9 +235,9 @@ def _write_metadata(path: Path, config: dict, quantization: str | None, generati
     config.pop("quantization_config", None)
     if quantization:
         config["quantization_config"] = {"quant_method": quantization, "modules": "routed experts"}
+    # Checked before anything is written: a checkpoint must not be saved that its own loader refuses.
+    gen = validate_generation_config(generation_config or {}, f"{path / GENERATION_CONFIG} (being written)")
     (path / CONFIG).write_text(json.dumps(config, indent=2) + "\n")
-    gen = default_generation_config()
-    gen.update(generation_config or {})
     (path / GENERATION_CONFIG).write_text(json.dumps(gen, indent=2) + "\n")
     _save_tokenizer(path, tokenizer)
 
@@ -267,7 +276,7 @@ def quantize_checkpoint(src: str | Path, dst: str | Path, method: str = "mxfp4",
                          f"{raw.get('model_type')!r} checkpoint first (horizon convert)")
     store = TensorStore(src)
     dst.mkdir(parents=True, exist_ok=True)
-    gen = _read_json(src / GENERATION_CONFIG) if (src / GENERATION_CONFIG).exists() else None
+    gen = load_generation_config(src)  # checked against the source file's name, not the copy's
     tokenizer = None
     if (src / TOKENIZER).exists():
         shutil.copyfile(src / TOKENIZER, dst / TOKENIZER)
@@ -283,13 +292,37 @@ def default_generation_config() -> dict[str, Any]:
     return {"thinking_budgets": dict(DEFAULT_THINKING_BUDGETS), "temperature": 1.0, "top_p": 1.0}
 
 
+def validate_generation_config(gen: Mapping[str, Any], where: str) -> dict[str, Any]:
+    """`gen` merged over `default_generation_config()`, with every key Horizon reads checked.
+
+    thinking_budgets: some of low/high/max -> integers >= 1, merged per tier over the defaults and
+    ordered (`horizon.chat.thinking.check_thinking_budgets`); temperature: a finite number >= 0;
+    top_p: a number in (0, 1]. Other keys are kept as they are: Hugging Face generation configs carry
+    many (bos_token_id, eos_token_id, do_sample, max_new_tokens, ...) that Horizon does not read.
+    A ValueError starts with `where` (the file, or whoever passed the dict) and names the key, the
+    value and what is allowed.
+    """
+    from horizon.chat.thinking import as_json, check_thinking_budgets
+
+    if not isinstance(gen, Mapping):
+        raise ValueError(f"{where}: a generation config must be a JSON object, got {as_json(gen)}")
+    out = {**default_generation_config(), **gen}
+    out["thinking_budgets"] = check_thinking_budgets(gen.get("thinking_budgets", {}), where)
+    for key, ok, allowed in (
+            ("temperature", lambda v: v >= 0, "a finite number >= 0"),
+            ("top_p", lambda v: 0 < v <= 1, "a number in (0, 1]")):
+        value = out[key]
+        if isinstance(value, bool) or not isinstance(value, (int, float)) or not math.isfinite(value) \
+                or not ok(value):
+            raise ValueError(f"{where}: {key}={as_json(value)}; allowed: {allowed}")
+    return out
+
+
 def load_generation_config(path: str | Path) -> dict[str, Any]:
-    """generation_config.json of a checkpoint merged over the defaults (missing file: the defaults)."""
-    gen = default_generation_config()
+    """generation_config.json of a checkpoint merged over the defaults and checked (missing file: the
+    defaults); see `validate_generation_config`."""
     file = Path(path) / GENERATION_CONFIG
-    if file.exists():
-        gen.update(_read_json(file))
-    return gen
+    return validate_generation_config(_read_json(file) if file.exists() else {}, str(file))
 
 
 def _save_tokenizer(path: Path, tokenizer) -> None:
@@ -303,8 +336,81 @@ def _save_tokenizer(path: Path, tokenizer) -> None:
 
 
 # --- load ----------------------------------------------------------------------------------------------
-def load(path: str | Path, dtype: torch.dtype | None = None, device="cpu") -> HorizonForCausalLM:
-    """Load a Horizon checkpoint folder, or a supported Hugging Face one (see horizon.interop)."""
+_NONFINITE_CHUNK = 1 << 24  # elements tested at once: bounds the bool temporary (16 MB) on huge tensors
+
+
+def _count_nonfinite(t: torch.Tensor) -> int:
+    if t.numel() == 0:
+        return 0
+    # The screen: min and max are both finite exactly when every value is (NaN propagates through
+    # both, +Inf is the max, -Inf the min), and one aminmax pass costs ~1/30 of isfinite().all() on
+    # CPU (no bool temporary). Only a tensor that fails it is counted.
+    low, high = torch.aminmax(t.detach())
+    if bool(torch.isfinite(low) & torch.isfinite(high)):
+        return 0
+    flat = t.detach().reshape(-1)
+    return sum(int((~torch.isfinite(part)).sum()) for part in flat.split(_NONFINITE_CHUNK))
+
+
+def _mxfp4_nonfinite(blocks: torch.Tensor, scales: torch.Tensor, size: int, dtype: torch.dtype) -> int:
+    """Non-finite values the packed weight decodes to in `dtype` (what the model computes with).
+
+    Packed bytes hold no NaN; only the E8M0 scale can make one: byte 0xFF is NaN in the MX spec (and
+    `dequantize` decodes that whole block to NaN), and a scale so large that 6 * 2^(s - 127), E2M1's
+    largest magnitude, exceeds `dtype`'s range may overflow to Inf. `quantize` writes neither, so the
+    scales alone (1/16 of the bytes) are read, and only the blocks they flag are decoded; padding
+    columns past `size` are not counted.
+    """
+    limit = E8M0_BIAS + math.floor(math.log2(torch.finfo(dtype).max / 6))  # largest scale byte that cannot overflow
+    if scales.numel() == 0 or int(scales.max()) <= limit:  # one reduction, no bool temporary: the usual case
+        return 0
+    suspect = scales > limit
+    values = mxfp4_dequantize(blocks[suspect], scales[suspect], dtype).view(-1, MXFP4_BLOCK)  # [K blocks, 32]
+    column = suspect.nonzero()[:, -1:] * MXFP4_BLOCK + torch.arange(MXFP4_BLOCK, device=scales.device)
+    return int((~torch.isfinite(values) & (column < size)).sum())
+
+
+def _packed_weights(module: torch.nn.Module) -> list[tuple[str, int]]:
+    """(name, logical columns) of each MXFP4 weight a module holds as `<name>_blocks` / `<name>_scales`."""
+    if isinstance(module, MXFP4Experts):
+        return [("gate_up_proj", module.dim), ("down_proj", module.hidden)]
+    if isinstance(module, MXFP4Linear):
+        return [("weight", module.in_features)]
+    return []
+
+
+def check_finite_weights(model: HorizonForCausalLM, source: str) -> None:
+    """ValueError unless every floating parameter and buffer is finite and every MXFP4 weight decodes to
+    finite values; it names `source`, the first tensors at fault and how many values are NaN/Inf.
+
+    One NaN in a weight turns every logit it reaches into NaN: the server would then answer each
+    request with garbage or an error, far from the cause; this finds it at load, before serving.
+    """
+    dtype = model.embed.weight.dtype  # the activations' dtype: MXFP4 experts decode into it
+    bad: list[tuple[str, int]] = []
+    for name, t in chain(model.named_parameters(), model.named_buffers()):
+        if t.is_floating_point() and (n := _count_nonfinite(t)):
+            bad.append((name, n))
+    for prefix, module in model.named_modules():
+        for packed, size in _packed_weights(module):
+            n = _mxfp4_nonfinite(getattr(module, f"{packed}_blocks"), getattr(module, f"{packed}_scales"), size, dtype)
+            if n:
+                bad.append((f"{prefix}.{packed}", n))
+    if bad:
+        shown = ", ".join(f"{name} ({n})" for name, n in bad[:5])
+        if len(bad) > 5:
+            shown += f", and {len(bad) - 5} more"
+        raise ValueError(f"{source}: {sum(n for _, n in bad)} non-finite weight value(s) (NaN/Inf) in {len(bad)} "
+                         f"tensor(s): {shown}. The checkpoint is corrupt (a diverged run or a bad conversion?); "
+                         "to load it anyway skip this check: check_finite=False, or `horizon serve --no-weight-check`")
+
+
+def load(path: str | Path, dtype: torch.dtype | None = None, device="cpu",
+         check_finite: bool = False) -> HorizonForCausalLM:
+    """Load a Horizon checkpoint folder, or a supported Hugging Face one (see horizon.interop).
+
+    check_finite: after filling the model, refuse NaN/Inf weights (`check_finite_weights`).
+    """
     path = Path(path)
     if not path.is_dir():
         raise ValueError(f"{path}: not a checkpoint folder")
@@ -336,6 +442,8 @@ def load(path: str | Path, dtype: torch.dtype | None = None, device="cpu") -> Ho
         fill_model(model, family.convert_tensors(store, config))
     if model.config.tie_word_embeddings:
         model.lm_head.weight = model.embed.weight
+    if check_finite:
+        check_finite_weights(model, str(path))
     return model.eval()
 
 
@@ -353,14 +461,16 @@ class Bundle:
     source: str  # where it came from, for logs and /v1/models
 
 
-def open_model(path: str | Path | None = None, dtype: torch.dtype | None = None, device="cpu") -> Bundle:
+def open_model(path: str | Path | None = None, dtype: torch.dtype | None = None, device="cpu",
+               check_finite: bool = False) -> Bundle:
     """Model, tokenizer and generation config of a checkpoint folder, or of a model Horizon ships.
 
     None or "bundled": the trained `horizon-tiny` shipped in `horizon/assets/horizon-tiny` (MXFP4
     experts), or the random model below if a checkout lacks it. "tiny-random": the `tiny` preset with
     random weights from a fixed seed, the same on every machine (it speaks the chat format's tokens
     but not sense; the tests use it because its behaviour does not change when the bundled model is
-    retrained).
+    retrained). check_finite: refuse a checkpoint with NaN/Inf weights (see `load`); the random
+    model is made here, not read, and is not checked.
     """
     from horizon.chat import load_tokenizer
 
@@ -369,8 +479,11 @@ def open_model(path: str | Path | None = None, dtype: torch.dtype | None = None,
         model.init_weights(seed=0)  # the same weights on every machine
         model = model.to(device=device, dtype=dtype or torch.float32)
         return Bundle(model.eval(), load_tokenizer(), default_generation_config(), "bundled:tiny-random")
+    # The generation config first: a typo in it should not wait for (possibly minutes of) weights.
     if path is None or str(path) == BUNDLED:
-        model = load(BUNDLED_DIR, dtype=dtype, device=device)
-        return Bundle(model, load_tokenizer(BUNDLED_DIR), load_generation_config(BUNDLED_DIR), "bundled:horizon-tiny")
-    model = load(path, dtype=dtype, device=device)
-    return Bundle(model, load_tokenizer(path), load_generation_config(path), str(path))
+        gen = load_generation_config(BUNDLED_DIR)
+        model = load(BUNDLED_DIR, dtype=dtype, device=device, check_finite=check_finite)
+        return Bundle(model, load_tokenizer(BUNDLED_DIR), gen, "bundled:horizon-tiny")
+    gen = load_generation_config(path)
+    model = load(path, dtype=dtype, device=device, check_finite=check_finite)
+    return Bundle(model, load_tokenizer(path), gen, str(path))

@@ -197,7 +197,9 @@ def _build_app(model: str | None, served_model_name: str | None = None, api_keys
                max_model_len: int | None = None, max_batch_tokens: int = 512, coverage_every: int = 64,
                max_queue: int = 64, max_body_bytes: int = 16 * 1024 * 1024, local_images: str | None = None,
                thinking_store_mb: float = 64, responses_db: str | None = None,
-               responses_retention_days: float = 30, reasoning_key_file: str | None = None):
+               responses_retention_days: float = 30, reasoning_key_file: str | None = None,
+               prefix_snapshot_turns: int = 2, body_timeout_s: float = 30, prefix_cache_mb: float = 256,
+               check_weights: bool = True):
     """(the FastAPI app over one engine, the served model id, the checkpoint's source)."""
     import os
 
@@ -205,10 +207,11 @@ def _build_app(model: str | None, served_model_name: str | None = None, api_keys
     from horizon.engine import Engine, EngineConfig
     from horizon.server import ModelService, ServerSettings, create_app
 
-    bundle = open_model(model)
+    bundle = open_model(model, check_finite=check_weights)
     engine = Engine(bundle.model, bundle.tokenizer,
                     EngineConfig(max_num_seqs=max_num_seqs, max_model_len=max_model_len,
-                                 max_batch_tokens=max_batch_tokens, coverage_every=coverage_every),
+                                 max_batch_tokens=max_batch_tokens, coverage_every=coverage_every,
+                                 prefix_cache_bytes=int(prefix_cache_mb * 1024**2)),
                     generation_config=bundle.generation_config)
     shipped = {"bundled:horizon-tiny": "horizon-tiny", "bundled:tiny-random": "horizon-tiny-random"}
     model_id = served_model_name or shipped.get(bundle.source) or os.path.basename(os.path.abspath(model))
@@ -216,11 +219,12 @@ def _build_app(model: str | None, served_model_name: str | None = None, api_keys
 
     limits = ImageLimits(allow_local_files=True, local_root=local_images) if local_images else ImageLimits()
     service = ModelService(engine, bundle.tokenizer, model_id, history_policy=history_policy, max_queue=max_queue,
-                           image_limits=limits, turn_store_bytes=int(thinking_store_mb * 1024**2))
+                           image_limits=limits, turn_store_bytes=int(thinking_store_mb * 1024**2),
+                           prefix_snapshot_turns=prefix_snapshot_turns)
     app = create_app(service, ServerSettings(api_keys=api_keys or {}, max_body_bytes=max_body_bytes,
                                              responses_db=responses_db, reasoning_key_file=reasoning_key_file,
                                              responses_retention_days=responses_retention_days,
-                                             signature_key_file=signature_key_file))
+                                             signature_key_file=signature_key_file, body_timeout_s=body_timeout_s))
     return app, model_id, bundle.source
 
 
@@ -241,8 +245,7 @@ def _api_keys(args: argparse.Namespace) -> dict[str, str]:
 
 
 def _cmd_serve(args: argparse.Namespace) -> int:
-
-    import uvicorn
+    from horizon.server.process import serve
 
     keys = _api_keys(args)
     try:
@@ -250,13 +253,16 @@ def _cmd_serve(args: argparse.Namespace) -> int:
                                            args.signature_key_file, args.max_num_seqs, args.max_model_len,
                                            args.max_batch_tokens, args.coverage_every, args.max_queue,
                                            args.max_body_bytes, args.allow_local_images, args.thinking_store_mb,
-                                           args.responses_db, args.responses_retention_days, args.reasoning_key_file)
+                                           args.responses_db, args.responses_retention_days, args.reasoning_key_file,
+                                           args.prefix_snapshot_turns, args.body_timeout, args.prefix_cache_mb,
+                                           not args.no_weight_check)
     except ValueError as e:  # a setting the model or engine cannot take (e.g. --max-model-len past the window)
         raise SystemExit(f"horizon serve: {e}") from None
     print(f"horizon serve: {model_id} ({source}) on http://{args.host}:{args.port} "
           f"(OpenAI /v1/chat/completions, Anthropic /v1/messages; "
           f"auth {f'on, {len(set(keys.values()))} tenant(s)' if keys else 'off'})", flush=True)
-    uvicorn.run(app, host=args.host, port=args.port, log_level=args.log_level, timeout_graceful_shutdown=30)
+    serve(app, app.state.service, args.host, args.port, args.log_level, drain_timeout_s=args.drain_timeout,
+          header_timeout_s=args.header_timeout)
     return 0
 
 
@@ -611,6 +617,22 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--max-batch-tokens", type=int, default=512, help="tokens per forward (chunked prefill)")
     p.add_argument("--max-queue", type=int, default=64, help="waiting requests before 429/529")
     p.add_argument("--max-body-bytes", type=int, default=16 * 1024 * 1024)
+    p.add_argument("--header-timeout", type=float, default=10, metavar="S",
+                   help="close a connection whose request headers are not complete after S seconds")
+    p.add_argument("--body-timeout", type=float, default=30, metavar="S",
+                   help="answer 408 when a request body stalls for S seconds")
+    p.add_argument("--drain-timeout", type=float, default=30, metavar="S",
+                   help="on SIGTERM, let running requests finish for up to S seconds, then end their streams with "
+                        "an error event and exit")
+    p.add_argument("--no-weight-check", action="store_true",
+                   help="skip the check for NaN / infinite weights at load (it costs ~4 ms on the bundled model, "
+                        "~60 ms on the bf16 `small` preset)")
+    p.add_argument("--prefix-cache-mb", type=float, default=256,
+                   help="memory for the KDA state snapshots that let later requests resume a shared prefix")
+    p.add_argument("--prefix-snapshot-turns", type=int, default=2, metavar="K",
+                   help="snapshot the state at the last K message boundaries of each prompt (and where the "
+                        "system prompt ends), so branches of one history share it (see `horizon plan` for a "
+                        "snapshot's size)")
     p.add_argument("--coverage-every", type=int, default=64,
                    help="measure the DSA top-k's share of dense attention every N decode steps (0: off)")
     p.add_argument("--allow-local-images", default=None, metavar="DIR",

@@ -4,6 +4,9 @@ A config fixes the architecture (DESIGN.md section 1): the layer schedule of Kim
 (KDA) and Gated DSA layers, their dimensions, the Mixture-of-Experts sizes, the vocabulary and the
 context window. It round-trips through an HF-style ``config.json`` (``model_type: "horizon"``) and
 rejects invalid values with a ``ValueError`` that names the field, the value and what is allowed.
+Loading a Horizon ``config.json`` needs every field (``save`` writes them all): a missing key is an
+error naming it and what it should hold, never a silent default, and so is a value of the wrong JSON
+type (``"64"``, ``true`` or ``64.0`` where an integer belongs).
 
     cfg = ModelConfig.preset("tiny")
     cfg.save("ckpt/config.json"); ModelConfig.load("ckpt/config.json") == cfg
@@ -13,6 +16,7 @@ from __future__ import annotations
 
 import dataclasses
 import json
+import math
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
@@ -27,7 +31,22 @@ MLA_ROPE = ("none", "interleaved", "half")
 YARN_KEYS = {"type", "factor", "original_max_position_embeddings", "beta_fast", "beta_slow", "mscale",
              "mscale_all_dim", "attention_factor", "truncate"}
 # Keys other tools put in config.json that carry no architecture; accepted and ignored on load.
+# Any other key that is not a field is refused (a typo such as "hiden_size" must not load silently).
 _METADATA_KEYS = {"model_type", "architectures", "transformers_version", "torch_dtype", "horizon_version"}
+# Fields a Horizon config.json may lack, taking the dataclass default. None today: `save` writes every
+# field and the bundled horizon-tiny lists them all. A field added later that changes nothing for
+# older checkpoints goes here (with a comment saying since when), so that those still load.
+_DEFAULTED_ON_LOAD: frozenset[str] = frozenset()
+# The value ranges `validate` enforces, shared with the messages of `from_dict` (missing or mistyped keys).
+_INTS_GE_1 = ("vocab_size", "hidden_size", "num_layers", "intermediate_size", "max_position_embeddings",
+              "kda_num_heads", "kda_head_dim", "kda_conv_size", "kda_chunk_size", "num_heads", "kv_lora_rank",
+              "v_head_dim", "n_routed_experts", "num_experts_per_tok", "moe_intermediate_size", "n_group",
+              "topk_group")
+_INTS_GE_0 = ("q_lora_rank", "qk_rope_head_dim", "qk_nope_head_dim", "dsa_gate_rank", "index_n_heads",
+              "index_head_dim", "index_topk", "index_rope_dim", "first_k_dense", "n_shared_experts", "vision_layers")
+_NUMBERS_GT_0 = ("rms_norm_eps", "rope_theta", "routed_scaling_factor", "initializer_range")
+_VISION_INTS_GE_1 = ("vision_hidden_size", "vision_num_heads", "vision_intermediate_size", "vision_patch_size",
+                     "vision_merge", "vision_max_tokens")
 
 
 def default_layer_types(num_layers: int, dsa_every: int = 4) -> list[str]:
@@ -127,19 +146,15 @@ class ModelConfig:
         def fail(name: str, allowed: str) -> None:
             raise ValueError(f"ModelConfig.{name}={getattr(self, name)!r} is invalid: {allowed}")
 
-        for name in ("vocab_size", "hidden_size", "num_layers", "intermediate_size", "max_position_embeddings",
-                     "kda_num_heads", "kda_head_dim", "kda_conv_size", "kda_chunk_size", "num_heads",
-                     "kv_lora_rank", "v_head_dim", "n_routed_experts", "num_experts_per_tok",
-                     "moe_intermediate_size", "n_group", "topk_group"):
+        for name in _INTS_GE_1:
             value = getattr(self, name)
             if not isinstance(value, int) or isinstance(value, bool) or value < 1:
                 fail(name, "must be an integer >= 1")
-        for name in ("q_lora_rank", "qk_rope_head_dim", "qk_nope_head_dim", "dsa_gate_rank", "index_n_heads",
-                     "index_head_dim", "index_topk", "index_rope_dim", "first_k_dense", "n_shared_experts"):
+        for name in _INTS_GE_0:
             value = getattr(self, name)
             if not isinstance(value, int) or isinstance(value, bool) or value < 0:
-                fail(name, "must be an integer >= 0")
-        for name in ("rms_norm_eps", "rope_theta", "routed_scaling_factor", "initializer_range"):
+                fail(name, "must be an integer >= 0" + (" (0: no vision encoder)" if name == "vision_layers" else ""))
+        for name in _NUMBERS_GT_0:
             value = getattr(self, name)
             if not isinstance(value, (int, float)) or isinstance(value, bool) or not value > 0:
                 fail(name, "must be a number > 0")
@@ -190,11 +205,8 @@ class ModelConfig:
         if self.topk_group * per_group < self.num_experts_per_tok:
             fail("topk_group", f"the kept groups hold {self.topk_group * per_group} experts, fewer than "
                  f"num_experts_per_tok ({self.num_experts_per_tok})")
-        if not isinstance(self.vision_layers, int) or isinstance(self.vision_layers, bool) or self.vision_layers < 0:
-            fail("vision_layers", "must be an integer >= 0 (0: no vision encoder)")
         if self.vision_layers:
-            for name in ("vision_hidden_size", "vision_num_heads", "vision_intermediate_size", "vision_patch_size",
-                         "vision_merge", "vision_max_tokens"):
+            for name in _VISION_INTS_GE_1:
                 value = getattr(self, name)
                 if not isinstance(value, int) or isinstance(value, bool) or value < 1:
                     fail(name, "must be an integer >= 1")
@@ -264,6 +276,8 @@ class ModelConfig:
 
     @classmethod
     def from_dict(cls, data: dict[str, Any]) -> ModelConfig:
+        """The config a Horizon config.json describes: every field present (see `_DEFAULTED_ON_LOAD`) and
+        of its JSON type, else a ValueError naming the key(s) and what they should hold."""
         if not isinstance(data, dict):
             raise ValueError(f"a model config must be a JSON object, got {type(data).__name__}")
         model_type = data.get("model_type", cls.model_type)
@@ -273,6 +287,19 @@ class ModelConfig:
         unknown = sorted(set(data) - names - _METADATA_KEYS)
         if unknown:
             raise ValueError(f"unknown ModelConfig field(s) {unknown}; known fields: {sorted(names)}")
+        # A default here would build a model of another shape (hidden_size) or silently change its
+        # numerics (rms_norm_eps), only to fail later far from the cause, or not at all.
+        missing = [f.name for f in dataclasses.fields(cls) if f.name not in data and f.name not in _DEFAULTED_ON_LOAD]
+        if missing:
+            expected = "; ".join(f"{name}: {_expected(name)}" for name in missing)
+            raise ValueError(f"missing key(s) {missing}: a Horizon config.json lists every ModelConfig field, "
+                             f"as horizon.save writes it; expected {expected}")
+        # Types before construction: __post_init__ computes with num_layers, and validate() does not
+        # look at every field (a "false" string for a bool would simply be truthy).
+        for name in sorted(names & set(data)):
+            if not _FIELD_TYPES[name][0](data[name]):
+                raise ValueError(f"ModelConfig.{name}={data[name]!r} is invalid: expected {_expected(name)}, "
+                                 f"got {_json_type(data[name])}")
         return cls(**{k: v for k, v in data.items() if k in names})
 
     @classmethod
@@ -284,7 +311,10 @@ class ModelConfig:
             data = json.loads(path.read_text())
         except json.JSONDecodeError as e:
             raise ValueError(f"{path}: not valid JSON ({e})") from None
-        return cls.from_dict(data)
+        try:
+            return cls.from_dict(data)
+        except ValueError as e:
+            raise ValueError(f"{path}: {e}") from None
 
     def replace(self, **changes: Any) -> ModelConfig:
         """A copy with some fields changed (validated again); layer_types follows num_layers if unset."""
@@ -300,3 +330,67 @@ class ModelConfig:
         if name not in PRESETS:
             raise ValueError(f"unknown preset {name!r}; allowed: {', '.join(PRESETS)}")
         return cls(**PRESETS[name])
+
+
+# --- the JSON type of each field, for from_dict --------------------------------------------------------
+def _is_int(v: Any) -> bool:
+    return isinstance(v, int) and not isinstance(v, bool)  # JSON true is a Python int: refuse it
+
+
+def _is_number(v: Any) -> bool:
+    return isinstance(v, (int, float)) and not isinstance(v, bool) and math.isfinite(v)  # json reads NaN, Infinity
+
+
+def _optional(check):
+    return lambda v: v is None or check(v)
+
+
+def _list_of(check):
+    return lambda v: isinstance(v, list) and all(check(x) for x in v)
+
+
+# Annotation (a string: `from __future__ import annotations`) -> (check, what it is). A field with an
+# annotation not listed fails the import below, so a new field cannot skip the check.
+_TYPE_RULES = {
+    "int": (_is_int, "an integer"),
+    "float": (_is_number, "a finite number"),
+    "bool": (lambda v: isinstance(v, bool), "true or false"),
+    "str": (lambda v: isinstance(v, str), "a string"),
+    "list[str] | None": (_optional(_list_of(lambda v: isinstance(v, str))), "null or a list of strings"),
+    "list[int] | None": (_optional(_list_of(_is_int)), "null or a list of integers"),
+    "float | None": (_optional(_is_number), "null or a finite number"),
+    "dict[str, Any] | None": (_optional(lambda v: isinstance(v, dict)), "null or a JSON object"),
+    "dict[str, Any]": (lambda v: isinstance(v, dict), "a JSON object"),
+}
+_FIELD_TYPES = {f.name: _TYPE_RULES[f.type] for f in dataclasses.fields(ModelConfig)}
+# Sharper than the type alone, for the fields whose allowed values are a range or a set.
+_ALLOWED = {
+    **dict.fromkeys(_INTS_GE_1, "an integer >= 1"),
+    **dict.fromkeys(_INTS_GE_0, "an integer >= 0"),
+    **dict.fromkeys(_VISION_INTS_GE_1, "an integer >= 1"),
+    **dict.fromkeys(_NUMBERS_GT_0, "a number > 0"),
+    "dtype": f"one of {', '.join(DTYPES)}",
+    "mla_rope": f"one of {', '.join(MLA_ROPE)}",
+    "layer_types": f"a list with one of {', '.join(LAYER_TYPES)} per layer (null: the default schedule)",
+    "dense_layers": "null or a list of distinct layer indices (0-based)",
+    "mla_norm_eps": "null (rms_norm_eps) or a number > 0",
+    "rope_scaling": 'null or a YaRN object {"type": "yarn", "factor": ..., "original_max_position_embeddings": ...}',
+}
+
+
+def _expected(name: str) -> str:
+    return _ALLOWED.get(name, _FIELD_TYPES[name][1])
+
+
+def _json_type(v: Any) -> str:
+    if v is None:
+        return "null"
+    if isinstance(v, bool):
+        return "a boolean"
+    if isinstance(v, int):
+        return "an integer"
+    if isinstance(v, float):
+        return "a float" if math.isfinite(v) else "a non-finite number"
+    if isinstance(v, list):  # name what it holds: "a list" alone does not say what is wrong with it
+        return f"a list holding {', '.join(sorted({_json_type(x) for x in v}))}" if v else "an empty list"
+    return {str: "a string", dict: "a JSON object"}.get(type(v), type(v).__name__)

@@ -11,7 +11,10 @@ numel, not formulas kept beside them.
 - MXFP4 weights: routed experts in MXFP4 (blocks of 32 values: 16 bytes of nibbles + 1 scale
   byte = 4.25 bits per weight), everything else bf16 (DESIGN 2);
 - cache per token: the latent row and the indexer key of every DSA layer, in the model dtype;
-- KDA state per sequence: fp32 states plus the convolution tails, constant in the context;
+- KDA state per sequence: fp32 states plus the convolution tails, constant in the context; a prefix-cache
+  snapshot is one such copy (the DSA rows it resumes are shared blocks, not copied), and a request may
+  leave up to k + 3 of them (`horizon serve --prefix-snapshot-turns k`: the end of the system prompt,
+  k turn ends, the prompt's end, where it finished), all within `--prefix-cache-mb`;
 - GPUs: the fewest 141 GB GPUs whose memory holds the MXFP4 weights plus one sequence at the given
   context (weights + cache only: no activations or workspace, so a lower bound).
 """
@@ -122,6 +125,7 @@ def render_plan(name: str, p: dict) -> None:
     table.add_row("weights, MXFP4 experts + bf16 rest", _human(p["weight_bytes_mxfp4"]))
     table.add_row("DSA cache per token", _human(p["cache_bytes_per_token"]))
     table.add_row("KDA state per sequence (constant)", _human(p["kda_state_bytes"]))
+    table.add_row("prefix-cache snapshot (k + 3 per request at most)", _human(p["kda_state_bytes"]))
     table.add_row(f"cache at {p['context']:,} tokens", _human(p["cache_bytes_at_context"]))
     table.add_row("141 GB GPUs for weights + 1 sequence", f"{p['min_gpus_141gb']} (lower bound)")
     Console().print(table)

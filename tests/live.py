@@ -22,7 +22,8 @@ class LiveServer(BackgroundServer):
 
     def __init__(self, key_dir, api_key: str | None = "test-key", history_policy: str = "reject",
                  max_queue: int = 64, engine_config: EngineConfig | None = None, max_body_bytes: int = 1 << 20,
-                 generation_config: dict | None = None, api_keys: dict[str, str] | None = None):
+                 generation_config: dict | None = None, api_keys: dict[str, str] | None = None,
+                 header_timeout_s: float = 10, body_timeout_s: float = 30):
         bundle = open_model("tiny-random")
         self.engine = Engine(bundle.model, bundle.tokenizer,
                              engine_config or EngineConfig(max_num_seqs=4, max_model_len=2048, max_batch_tokens=256),
@@ -30,12 +31,12 @@ class LiveServer(BackgroundServer):
         self.service = ModelService(self.engine, bundle.tokenizer, "horizon-test", history_policy=history_policy,
                                     max_queue=max_queue)
         self.app = create_app(self.service, ServerSettings(api_key=api_key, api_keys=api_keys or {},
-                                                           max_body_bytes=max_body_bytes,
+                                                           max_body_bytes=max_body_bytes, body_timeout_s=body_timeout_s,
                                                            signature_key_file=str(key_dir / "signature.key"),
                                                            reasoning_key_file=str(key_dir / "reasoning.keys"),
                                                            responses_db=str(key_dir / "responses.sqlite3")))
         self.api_key = api_key
-        super().__init__(self.app)
+        super().__init__(self.app, header_timeout_s=header_timeout_s)
 
 
 @contextmanager
@@ -44,10 +45,10 @@ def engine_requests(server: LiveServer, change: Callable | None = None):
     may replace each one first (steer the random model the way a trained one would choose)."""
     seen, open_stream = [], server.engine.open_stream
 
-    def hook(request):
+    def hook(request, **kwargs):
         request = change(request) if change else request
         seen.append(request)
-        return open_stream(request)
+        return open_stream(request, **kwargs)
 
     server.engine.open_stream = hook
     try:

@@ -260,7 +260,7 @@ def test_the_prefix_index_finds_what_a_scan_of_every_entry_finds():
         tokens = rng.choice(stems) + [rng.randrange(4) for _ in range(rng.randrange(0, 6))]
         if rng.random() < 0.3:
             tokens = [("image", "digest", 0), *tokens]  # an image key, as Sequence.key writes it
-        cache.add(tokens, state, [], prompt_end=rng.random() < 0.5)
+        cache.add(tokens, state, [], kind=rng.choice(("finish", "prompt", "boundary")))
         if rng.random() < 0.1:
             cache.evict_one()
         prompt = rng.choice(stems) + [rng.randrange(4) for _ in range(rng.randrange(0, 8))]

@@ -69,6 +69,10 @@ class Rendered:
     assistant_mask: list[bool] = field(default_factory=list)
     # The image parts, in the order of their placeholder runs in ``ids``.
     images: list[Mapping[str, Any]] = field(default_factory=list)
+    # Where the leading system prompts and tool definitions end, and where each later block ends (a turn, a
+    # reply, a tool result): positions a prefix cache can resume from when histories branch.
+    preamble_end: int = 0
+    block_ends: list[int] = field(default_factory=list)
 
     def add(self, ids: Sequence[int], generated: bool = False) -> None:
         self.ids.extend(ids)
@@ -107,6 +111,7 @@ class ChatTemplate:
         if functions:
             text = "\n".join(json.dumps(fn, ensure_ascii=False) for fn in functions)
             out.add([self.special.tools, *self._encode(text), self.special.tools_end])
+        out.preamble_end = len(out.ids)
         while i < len(msgs):
             m = msgs[i]
             i += 1
@@ -119,12 +124,16 @@ class ChatTemplate:
             else:
                 out.add(self.generation_prompt(self.history_tier(m, tier)))
                 out.add(self.reply_ids(m), generated=True)
+                out.block_ends.append(len(out.ids))
                 j = i
                 while j < len(msgs) and msgs[j].role == "tool":
                     j += 1
                 for result in self._in_call_order(m, msgs[i:j]):
                     self._block(out, self.special.tool, result, self.special.tool_end)
+                    out.block_ends.append(len(out.ids))
                 i = j
+                continue
+            out.block_ends.append(len(out.ids))
         if add_generation_prompt:
             out.add(self.generation_prompt(tier))
         return out

@@ -8,10 +8,12 @@ config (``generation_config.json``); ``DEFAULT_THINKING_BUDGETS`` is the default
     tier_from_reasoning_effort("medium") == "high"     # OpenAI reasoning_effort
     tier_from_budget_tokens(2000) == "high"            # Anthropic thinking.budget_tokens
     tier_from_effort("xhigh") == "max"                 # Anthropic adaptive output_config.effort
+    check_thinking_budgets({"low": 64}, "ckpt/generation_config.json") == {"low": 64, "high": 4096, "max": 32768}
 """
 
 from __future__ import annotations
 
+import json
 from collections.abc import Mapping
 from typing import Literal
 
@@ -71,3 +73,40 @@ def tier_from_budget_tokens(
         raise ValueError(f"thinking budgets {dict(budgets)} lack the tiers {missing}")
     by_budget = sorted(TIERS, key=lambda t: budgets[t])
     return next((t for t in by_budget if budgets[t] >= budget_tokens), by_budget[-1])
+
+
+def check_thinking_budgets(budgets: object, where: str) -> dict[str, int]:
+    """A generation config's ``thinking_budgets`` merged over ``DEFAULT_THINKING_BUDGETS``, checked.
+
+    ``budgets`` maps some of the tiers to a token cap, an integer >= 1 (not a bool, not null); tiers it
+    leaves out keep their default, and the merged caps must be ordered low <= high <= max (a lower tier
+    that may think longer than a higher one is a typo, and it would make ``tier_from_budget_tokens``
+    pick tiers out of order). Anything else is a ValueError starting with ``where`` (the file, or
+    whoever passed the dict) and naming the key and what is allowed.
+    """
+    allowed_keys = ", ".join(TIERS)
+    if not isinstance(budgets, Mapping):
+        raise ValueError(f"{where}: thinking_budgets={as_json(budgets)}; allowed: a JSON object mapping some of "
+                         f"{allowed_keys} to integers >= 1")
+    unknown = sorted(str(k) for k in budgets if k not in TIERS)
+    if unknown:
+        raise ValueError(f"{where}: thinking_budgets has unknown tier(s) {unknown}; allowed keys: {allowed_keys}")
+    for tier in TIERS:
+        if tier in budgets:
+            value = budgets[tier]
+            if isinstance(value, bool) or not isinstance(value, int) or value < 1:
+                raise ValueError(f"{where}: thinking_budgets.{tier}={as_json(value)}; allowed: an integer >= 1")
+    merged = {**DEFAULT_THINKING_BUDGETS, **budgets}
+    if not merged["low"] <= merged["high"] <= merged["max"]:
+        raise ValueError(f"{where}: thinking_budgets must be ordered low <= high <= max, got "
+                         f"{', '.join(f'{t}={merged[t]}' for t in TIERS)} (tiers left out take the defaults "
+                         f"{DEFAULT_THINKING_BUDGETS})")
+    return merged
+
+
+def as_json(value: object) -> str:
+    """A value as the JSON it came from (null, "lots"); repr for what JSON cannot hold."""
+    try:
+        return json.dumps(value)
+    except (TypeError, ValueError):
+        return repr(value)

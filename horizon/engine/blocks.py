@@ -5,12 +5,16 @@
 - `SlotPool`: per-sequence KDA state slots.
 - `PrefixCache`: what a request leaves behind for the next turn of the same conversation: token
   ids, a copy of the KDA states and conv tails at that position, and references to the DSA blocks.
-  Two snapshots per request at most (not one per block: a full-size snapshot is hundreds of MB):
-  where its prompt ends, and where it finished. The second serves the next turn when the client
-  sends the reply back token-exact; the first still serves it when the reply re-renders
-  differently (a model's tokens need not be the tokenizer's canonical encoding of its text). A
-  new prompt that extends an entry's tokens resumes from the longest such entry. Entries are
-  evicted least recently used when their snapshot bytes exceed the cap, or when the pool runs dry.
+  A few snapshots per request (not one per block: a full-size snapshot is hundreds of MB), of three
+  kinds: "finish", where it finished, serves the next turn when the client sends the reply back
+  token-exact; "prompt", where its prompt ended, still serves it when the reply re-renders
+  differently (a model's tokens need not be the tokenizer's canonical encoding of its text);
+  "boundary", at message boundaries the serving layer named (the end of the system prompt, the
+  last turn ends), serves the other branches of a history once one branch has extended it. A new
+  entry supersedes the finish and prompt entries it extends (a finish entry keeps the prompt entry
+  it grew from); boundary entries are never superseded, only evicted. A new prompt that extends an
+  entry's tokens resumes from the longest such entry. Entries are evicted least recently used when
+  their snapshot bytes exceed the cap, or when the pool runs dry.
   Lookups cost O(prompt length), not O(entries x length): every entry is indexed by a rolling hash
   of its tokens, and a prompt's prefix hashes are computed once and checked at the entry lengths
   present (a hit is verified token by token, so a hash collision cannot resume a wrong state).
@@ -72,10 +76,11 @@ class PrefixEntry:
     state: list[tuple[torch.Tensor, torch.Tensor]]  # KDA states and conv tails after the last token
     blocks: list[int]  # DSA blocks holding rows 0 .. len-1 (one reference each)
     nbytes: int
-    prompt_end: bool  # taken where a prompt ended (not after generated tokens)
+    kind: str  # "finish" | "prompt" | "boundary" (module docstring)
     digest: int = 0  # _rolling(tokens)'s last value: the entry's key in the index
 
 
+KINDS = ("finish", "prompt", "boundary")
 _MOD, _BASE = (1 << 61) - 1, 1_000_003
 
 
@@ -101,21 +106,23 @@ class PrefixCache:
     def __len__(self) -> int:
         return len(self.entries)
 
-    def add(self, tokens: list[int], state, blocks: list[int], prompt_end: bool = False) -> None:
+    def add(self, tokens: list[int], state, blocks: list[int], kind: str = "finish") -> None:
+        if kind not in KINDS:
+            raise ValueError(f"kind={kind!r}; allowed: {', '.join(KINDS)}")
         nbytes = sum(s.nbytes + c.nbytes for s, c in state)
         if nbytes > self.max_bytes or not tokens:
             return
         for block in blocks:
             self.pool.incref(block)
-        # entries that are prefixes of the new one are superseded, except that an entry ending in
-        # generated tokens keeps the prompt-end entry it grew from (the fallback when a reply re-renders
-        # differently)
         tokens = list(tokens)
         for key, entry in self._prefixes_of(tokens, proper=False):
-            if prompt_end or not entry.prompt_end:
+            if len(entry.tokens) == len(tokens):  # the same tokens: the new snapshot replaces it
+                kind = "boundary" if entry.kind == "boundary" else kind
                 self._drop(key)
+            elif entry.kind == "finish" or (entry.kind == "prompt" and kind == "prompt"):
+                self._drop(key)  # superseded (module docstring)
         *_, digest = _rolling(tokens)
-        self.entries[self._next] = PrefixEntry(list(tokens), state, list(blocks), nbytes, prompt_end, digest)
+        self.entries[self._next] = PrefixEntry(list(tokens), state, list(blocks), nbytes, kind, digest)
         self._index.setdefault((len(tokens), digest), set()).add(self._next)
         self._lengths[len(tokens)] += 1
         self._next += 1

@@ -29,6 +29,7 @@ reference tests.
 from __future__ import annotations
 
 import json
+import threading
 from collections import OrderedDict
 from dataclasses import dataclass
 from typing import Any
@@ -101,6 +102,7 @@ class Grammars:
         self.ll = LLTokenizer(tokenizer.to_str(), n_vocab=tokenizer.vocab_size, eos_token=sp.assistant_end)
         self._cache: OrderedDict[ConstraintSpec, LLMatcher] = OrderedDict()
         self.cache_size, self.compiled = cache_size, 0
+        self._lock = threading.Lock()  # requests are prepared on worker threads; the engine thread copies too
         self.token_bytes = [tokenizer.token_bytes(t) or b"" for t in range(tokenizer.vocab_size)]
 
         def tokens_of(*texts: bytes) -> torch.Tensor:
@@ -145,8 +147,9 @@ class Grammars:
 
     def matcher(self, spec: ConstraintSpec) -> LLMatcher:
         """A fresh matcher for one request (a copy of the cached, compiled one)."""
-        compiled = self._cache.get(spec)
-        if compiled is None:
+        with self._lock:
+            compiled = self._cache.get(spec)
+        if compiled is None:  # compiled outside the lock: a slow grammar holds up no other request
             try:
                 grammar = LLMatcher.grammar_from_lark(self.lark(spec))
             except ValueError as e:
@@ -155,11 +158,14 @@ class Grammars:
             compiled = None if error else LLMatcher(self.ll, grammar, log_level=0)
             if compiled is None or compiled.is_error():
                 raise ConstraintError(f"unsupported or invalid schema: {_reason(error or compiled.get_error())}")
-            self._cache[spec] = compiled
-            self.compiled += 1
-            if len(self._cache) > self.cache_size:
-                self._cache.popitem(last=False)
-        self._cache.move_to_end(spec)
+            with self._lock:
+                self._cache[spec] = compiled
+                self.compiled += 1
+                if len(self._cache) > self.cache_size:
+                    self._cache.popitem(last=False)
+        with self._lock:
+            if spec in self._cache:
+                self._cache.move_to_end(spec)
         return compiled.deep_copy()
 
     def allowed(self, matcher: LLMatcher, vocab_size: int, finishing: bool = False,

@@ -29,12 +29,12 @@ from dataclasses import dataclass, field
 import torch
 
 from horizon.chat.images import image_digest
-from horizon.chat.thinking import DEFAULT_THINKING_BUDGETS
+from horizon.chat.thinking import check_thinking_budgets
 from horizon.engine.constraints import Grammars, finishing
 from horizon.engine.params import Event, FinishEvent, Request, TokenEvent, Usage
-from horizon.engine.sampler import logprobs, sample
+from horizon.engine.sampler import NothingToSample, logprobs, sample
 from horizon.engine.scheduler import Scheduler
-from horizon.engine.sequence import Sequence
+from horizon.engine.sequence import Sequence, Status
 from horizon.model import Batch, HorizonCache
 from horizon.model.dsa import GatedDSA
 from horizon.model.vision import num_image_tokens
@@ -59,6 +59,16 @@ class EngineConfig:
         if self.max_batch_tokens < self.max_num_seqs:
             raise ValueError(f"EngineConfig.max_batch_tokens={self.max_batch_tokens} must be >= max_num_seqs="
                              f"{self.max_num_seqs}, so every running sequence can decode each step")
+
+
+class QueueFull(Exception):
+    def __init__(self, queued: int, limit: int):
+        super().__init__(f"{queued} requests are waiting (limit {limit})")
+        self.queued, self.limit = queued, limit
+
+
+class EngineClosed(Exception):
+    """The engine takes no new requests (the server is draining)."""
 
 
 @dataclass
@@ -147,7 +157,7 @@ class Engine:
         self.device = p.device
         self.scheduler = Scheduler(self.cache, config.max_batch_tokens, config.prefix_cache_bytes)
         gen = generation_config or {}
-        self.budgets = {**DEFAULT_THINKING_BUDGETS, **gen.get("thinking_budgets", {})}
+        self.budgets = check_thinking_budgets(gen.get("thinking_budgets", {}), "generation_config")
         special = tokenizer.special
         self.stop_ids = {special.assistant_end, special.end_of_text}
         self.image_id = special.image
@@ -160,10 +170,14 @@ class Engine:
         self._thread: threading.Thread | None = None
         self._stopping = False
         self._decode_steps = 0
+        self._admission = threading.Lock()
+        self._closed: str | None = None  # why new requests are refused (close()), or None
 
     # --- requests ----------------------------------------------------------------------------------
-    def submit(self, request: Request, on_event: Callable[[Event], None]) -> None:
-        """Queue a request (thread-safe); `on_event` receives its events on the engine's thread."""
+    def submit(self, request: Request, on_event: Callable[[Event], None], max_queued: int | None = None) -> None:
+        """Queue a request (thread-safe); `on_event` receives its events on the engine's thread. With
+        `max_queued`, QueueFull when that many accepted requests are already waiting to run; EngineClosed
+        after `close()`."""
         params = request.params
         params.validate(self.model.config.vocab_size)
         prompt = request.prompt_ids
@@ -180,17 +194,27 @@ class Engine:
             raise ValueError(f"prompt ({len(prompt)} tokens) + max_tokens ({params.max_tokens}) needs more cache "
                              f"than the whole pool holds ({self.cache.num_blocks} blocks of "
                              f"{self.cache.block_size} tokens = {capacity})")
-        if request.request_id in self.sequences:
-            raise ValueError(f"request_id {request.request_id!r} is already in use")
         budget = params.thinking_budget
         if budget is None and params.tier is not None:
             budget = int(self.budgets[params.tier])
         layout = self._image_layout(request) if request.images or self.image_id in prompt else None
         matcher = self.grammars.matcher(request.constraint) if request.constraint is not None else None
         seq = Sequence(request, self.tokenizer, budget, self.stop_ids, on_event, matcher, layout)
-        self.sequences[seq.id] = seq
-        self._inbox.put(("submit", seq))
+        with self._admission:  # the check and the insert are one step: a burst cannot overshoot the limit
+            if self._closed is not None:
+                raise EngineClosed(self._closed)
+            if request.request_id in self.sequences:
+                raise ValueError(f"request_id {request.request_id!r} is already in use")
+            if max_queued is not None and self.queued >= max_queued:
+                raise QueueFull(self.queued, max_queued)
+            self.sequences[seq.id] = seq
+            self._inbox.put(("submit", seq))
         self._wake.set()
+
+    @property
+    def queued(self) -> int:
+        """Accepted requests not running now: those waiting for a slot, preempted, or not yet seen by a step."""
+        return max(0, len(self.sequences) - len(self.scheduler.running))
 
     def _image_layout(self, request: Request) -> list[tuple[int, int, str]]:
         """(first position, tokens, pixel digest) per image: the prompt's image placeholders, in order, are
@@ -216,6 +240,21 @@ class Engine:
             raise ValueError(f"the prompt has {len(positions)} image placeholders but the images fill {at}")
         return layout
 
+    def close(self, message: str = "the server is shutting down") -> None:
+        """Refuse new requests from now on (EngineClosed); running ones go on until `abort_all` or stop()."""
+        with self._admission:
+            self._closed = message
+
+    def abort_all(self, message: str = "the server is shutting down") -> None:
+        """End every request now with an error of kind "unavailable" (a drain's deadline has passed)."""
+        self._inbox.put(("abort", message))
+        self._wake.set()
+
+    def _abort_all(self, message: str) -> None:
+        for seq in list(self.sequences.values()):
+            self._finish(seq, "error", f"{message}; the request was stopped before it finished (retry it)",
+                         "unavailable")
+
     def cancel(self, request_id: str) -> None:
         """Stop a request (client gone); its slot and blocks are freed before the next forward."""
         self._inbox.put(("cancel", request_id))
@@ -229,6 +268,8 @@ class Engine:
                 return
             if kind == "submit":
                 self.scheduler.waiting.append(item)
+            elif kind == "abort":
+                self._abort_all(item)
             else:
                 seq = self.sequences.get(item)
                 if seq is not None:
@@ -258,37 +299,14 @@ class Engine:
         logits = self.model.forward_batch(tokens, batch, self.cache, last_only=True, image_embeds=embeds,
                                           image_mask=mask)
         self._read_probe(probe)
+        finite = torch.isfinite(logits).all(dim=-1).tolist()  # one check for the batch, not one per row
         generated = 0
-        for (seq, n), row in zip(plan, logits, strict=True):
-            seq.num_cached += n
-            if seq.num_cached < len(seq.tokens):
-                continue  # mid-prompt: nothing to sample yet
-            if seq.num_generated == 0 and seq.cached_prompt_tokens < seq.prompt_len:
-                self.scheduler.remember_prompt(seq)  # the next turn can resume here at least
-            forced = seq.forced_token()
-            allowed, problem = (None, None) if forced is not None else self._allowed(seq, row.shape[-1])
-            if problem:
-                self._finish(seq, "error", problem)
-                continue
-            token = forced if forced is not None else sample(row, seq.params, seq.generated, seq.generator, allowed)
-            lp, top = logprobs(row, token, seq.params.logprobs) if seq.params.logprobs is not None else (None, None)
-            was_thinking = seq.thinking
-            if seq.matcher is not None and not was_thinking:
-                if not seq.matcher.consume_token(token):
-                    self._finish(seq, "error", f"constraint rejected token {token}: {seq.matcher.get_error()}")
-                    continue
-                if token < self.grammars.vocab_size and self.grammars.token_bytes[token]:
-                    seq.json_scan.feed(self.grammars.token_bytes[token])
-                else:
-                    seq.json_scan.reset()
-            reason = seq.append(token, lp, top, forced is not None)
-            generated += 1
-            if was_thinking and seq.params.tier is not None and token != seq.think_end:
-                self.stats.thinking_tokens[seq.params.tier] += 1
-            if seq.num_generated == 1:
-                self.stats.ttft.append(seq.first_token_time - seq.arrival)
-            if reason:
-                self._finish(seq, reason)
+        for (seq, n), row, ok in zip(plan, logits, finite, strict=True):
+            try:
+                generated += self._advance(seq, n, row, ok)
+            except Exception as e:  # one sequence's failure (its sampling, grammar, consumer) ends it alone
+                log.exception("request %s failed", seq.id)
+                self._finish(seq, "error", f"{type(e).__name__}: {e}")
         s = self.stats
         s.steps += 1
         s.tokens_computed += int(batch.lens.sum())
@@ -297,6 +315,48 @@ class Engine:
         s.forwards_multi_seq += len(plan) > 1
         s.recent.append((time.perf_counter(), generated))
         return True
+
+    def _advance(self, seq: Sequence, n: int, row: torch.Tensor, finite: bool) -> int:
+        """Post-process one sequence after the forward computed n of its tokens: snapshot, sample, emit,
+        finish. Returns the tokens it generated (0 or 1)."""
+        seq.num_cached += n
+        if seq.num_cached < len(seq.tokens):
+            if seq.num_cached in seq.snapshot_at and seq.num_generated == 0:
+                self.scheduler.remember(seq, "boundary")  # a message boundary other branches may share
+            return 0  # mid-prompt: nothing to sample yet
+        if seq.num_generated == 0 and seq.cached_prompt_tokens < seq.prompt_len:
+            self.scheduler.remember(seq, "prompt")  # the next turn can resume here at least
+        if not finite:  # NaN or infinity: nothing sensible to sample (bad weights, an overflow)
+            self._finish(seq, "error", "the model produced non-finite logits (NaN or infinity) for this request")
+            return 0
+        forced = seq.forced_token()
+        allowed, problem = (None, None) if forced is not None else self._allowed(seq, row.shape[-1])
+        if problem:
+            self._finish(seq, "error", problem)
+            return 0
+        try:
+            token = forced if forced is not None else sample(row, seq.params, seq.generated, seq.generator, allowed)
+        except NothingToSample as e:
+            self._finish(seq, "error", str(e), "invalid_request")
+            return 0
+        lp, top = logprobs(row, token, seq.params.logprobs) if seq.params.logprobs is not None else (None, None)
+        was_thinking = seq.thinking
+        if seq.matcher is not None and not was_thinking:
+            if not seq.matcher.consume_token(token):
+                self._finish(seq, "error", f"constraint rejected token {token}: {seq.matcher.get_error()}")
+                return 0
+            if token < self.grammars.vocab_size and self.grammars.token_bytes[token]:
+                seq.json_scan.feed(self.grammars.token_bytes[token])
+            else:
+                seq.json_scan.reset()
+        reason = seq.append(token, lp, top, forced is not None)
+        if was_thinking and seq.params.tier is not None and token != seq.think_end:
+            self.stats.thinking_tokens[seq.params.tier] += 1
+        if seq.num_generated == 1:
+            self.stats.ttft.append(seq.first_token_time - seq.arrival)
+        if reason:
+            self._finish(seq, reason)
+        return 1
 
     def _allowed(self, seq: Sequence, vocab: int) -> tuple[torch.Tensor | None, str | None]:
         """The mask of tokens a constrained sequence may sample next (None: any), or a reason it cannot go on.
@@ -345,13 +405,18 @@ class Engine:
             return None, None
         return torch.cat(masks).to(self.device), torch.cat(parts)
 
-    def _finish(self, seq: Sequence, reason: str, error: str | None = None) -> None:
+    def _finish(self, seq: Sequence, reason: str, error: str | None = None, error_kind: str | None = None) -> None:
+        if seq.status is Status.FINISHED:
+            return
         self.scheduler.finish(seq, keep_prefix=reason in ("stop", "length"))
         self.stats.prompt_tokens_cached += seq.cached_prompt_tokens
         self.stats.requests_finished += 1
         self.sequences.pop(seq.id, None)
         seq.images.release()
-        seq.finish(reason, error)
+        try:
+            seq.finish(reason, error, error_kind)
+        except Exception:  # its consumer is gone or broken: nothing more to tell it, the engine goes on
+            log.exception("request %s: delivering its finish failed", seq.id)
 
     # --- indexer statistics ------------------------------------------------------------------------
     def _coverage_probe(self, batch: Batch) -> list[GatedDSA]:
@@ -407,17 +472,20 @@ class Engine:
         self._thread.start()
 
     def stop(self) -> None:
+        """Stop the engine thread; requests still unfinished end with an "unavailable" error (no stream hangs)."""
         self._stopping = True
         self._wake.set()
         if self._thread is not None:
             self._thread.join()
             self._thread = None
+        self._drain_inbox()
+        self._abort_all("the engine stopped")
 
     def _loop(self) -> None:
         while not self._stopping:
             try:
                 busy = self.step()
-            except Exception as e:  # a failed step must not hang every client: fail what was running
+            except Exception as e:  # a failed forward must not hang every client: fail what it ran, go on
                 log.exception("engine step failed")
                 for seq in list(self.scheduler.running):
                     self._finish(seq, "error", f"engine error: {type(e).__name__}: {e}")
@@ -426,12 +494,13 @@ class Engine:
                 self._wake.wait(timeout=0.05)
                 self._wake.clear()
 
-    def open_stream(self, request: Request) -> EventStream:
-        """Submit now (a bad request raises ValueError here, before anything is streamed) and return
-        its events as an async iterator; call its `cancel()` if the consumer goes away."""
+    def open_stream(self, request: Request, max_queued: int | None = None) -> EventStream:
+        """Submit now (a bad request raises ValueError here, before anything is streamed; see submit for
+        the queue limit) and return its events as an async iterator; call its `cancel()` if the consumer
+        goes away."""
         loop = asyncio.get_running_loop()
         stream = EventStream(self, request.request_id)
-        self.submit(request, lambda e: loop.call_soon_threadsafe(stream.queue.put_nowait, e))
+        self.submit(request, lambda e: loop.call_soon_threadsafe(stream.queue.put_nowait, e), max_queued)
         return stream
 
     async def stream(self, request: Request) -> AsyncIterator[Event]:
@@ -451,7 +520,7 @@ class Engine:
     def metrics(self) -> dict:
         s, sch = self.stats, self.scheduler
         return {
-            "queue_length": len(sch.waiting), "running": len(sch.running),
+            "queue_length": self.queued, "running": len(sch.running),
             "blocks_used": sch.blocks_in_use, "blocks_free": sch.blocks.num_free,
             "blocks_prefix_cache": len({b for e in sch.prefix.entries.values() for b in e.blocks}),
             "slots_free": sch.slots.num_free, "prefix_entries": len(sch.prefix),

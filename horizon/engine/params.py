@@ -70,6 +70,10 @@ class Request:
     constraint: ConstraintSpec | None = None  # what the answer must be (JSON schema, forced tool call, ...)
     # RGB uint8 [H, W, 3] images, one per run of image placeholders in prompt_ids, in order
     images: list[Any] | None = None
+    # prompt positions (token counts) where the prefix cache should keep a snapshot when prefill passes them:
+    # message boundaries the serving layer knows (the end of the system prompt, the last turn ends), so
+    # branches of one history resume from the deepest shared one. Prefill chunks end there.
+    snapshot_at: tuple[int, ...] = ()
 
 
 @dataclass
@@ -97,6 +101,9 @@ class FinishEvent:
     reason: str  # stop | length | cancelled | error
     usage: Usage
     error: str | None = None
+    # with reason "error", whose failure it was: "invalid_request" (the request's own settings left nothing
+    # to sample), "internal" (computing it failed), "unavailable" (the server stopped it: shutting down)
+    error_kind: str | None = None
     deltas: list[Delta] = field(default_factory=list)  # what the parser flushed at the end
 
 

@@ -14,6 +14,10 @@ from horizon.engine.params import SamplingParams
 BAN = -100.0  # a logit_bias of -100 bans the token outright (OpenAI: "should result in a ban")
 
 
+class NothingToSample(ValueError):
+    """The request's own bans, biases and grammar left no token with a finite logit."""
+
+
 def adjust_logits(logits: torch.Tensor, params: SamplingParams, generated: list[int]) -> torch.Tensor:
     """logit_bias (-100: banned, whatever the logit), OpenAI's presence / frequency penalties over the
     tokens generated so far, then the banned tokens."""
@@ -38,6 +42,9 @@ def sample(logits: torch.Tensor, params: SamplingParams, generated: list[int],
     logits = adjust_logits(logits.float(), params, generated)
     if allowed is not None:
         logits = logits.masked_fill(~allowed, float("-inf"))
+    if not bool(torch.isfinite(logits.max())):
+        raise NothingToSample("no token can be sampled: logit_bias, the banned tokens and the output format "
+                              "together rule out every token of the vocabulary")
     if params.temperature == 0:
         return int(logits.argmax())
     # the best logit is 0 before dividing, so any temperature > 0 stays finite (a tiny one acts as greedy)

@@ -46,7 +46,7 @@ class Scheduler:
         for seq in decoding + prefilling:
             if seq.status is not Status.RUNNING:
                 continue  # preempted earlier in this loop
-            n = min(seq.tokens_to_compute(), budget)
+            n = seq.chunk(budget)
             if n < 1:
                 break
             fits = self._reserve(seq, n)
@@ -69,7 +69,7 @@ class Scheduler:
                 break
             self.waiting.popleft()
             self.running.append(seq)
-            n = min(seq.tokens_to_compute(), budget)
+            n = seq.chunk(budget)
             if not self._reserve(seq, n):
                 self.preempt(seq)
                 break
@@ -161,11 +161,12 @@ class Scheduler:
         self.waiting.appendleft(seq)
         self.preemptions += 1
 
-    def remember_prompt(self, seq: Sequence) -> None:
-        """Snapshot a sequence whose prompt has just been computed (before its first generated token)."""
-        n = seq.prompt_len
+    def remember(self, seq: Sequence, kind: str) -> None:
+        """Snapshot a sequence's state where its computed tokens end now: "prompt" when its prompt has just
+        been computed (before its first generated token), "boundary" at a snapshot point inside it."""
+        n = seq.num_cached
         self.prefix.add(seq.key(n), self.cache.snapshot_state(seq.slot),
-                        seq.blocks[: math.ceil(n / self.block_size)], prompt_end=True)
+                        seq.blocks[: math.ceil(n / self.block_size)], kind=kind)
 
     def finish(self, seq: Sequence, keep_prefix: bool) -> None:
         """Release a finished sequence; with keep_prefix its state goes to the prefix cache first."""

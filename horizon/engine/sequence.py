@@ -48,6 +48,8 @@ class Sequence:
         self.matcher = matcher  # llguidance matcher of the request's constraint (applies after thinking)
         self.json_scan = JsonScan()  # are we inside a JSON string (constrained output only)
         self.images = ImageRuns(request.images or [], image_layout or [])
+        # where prefill leaves a prefix-cache snapshot (inside the prompt; the prompt's end has its own)
+        self.snapshot_at = sorted({p for p in request.snapshot_at if 0 < p < self.prompt_len})
 
     # --- progress ------------------------------------------------------------------------------------
     @property
@@ -65,6 +67,13 @@ class Sequence:
         brings num_cached up to len(tokens) yields the logits for the next token.
         """
         return len(self.tokens) - self.num_cached
+
+    def chunk(self, budget: int) -> int:
+        """Tokens to compute in the next forward, at most `budget`: a prefill chunk ends at the next snapshot
+        point, since KDA state can only be saved where a forward stops."""
+        n = min(self.tokens_to_compute(), budget)
+        nxt = next((p for p in self.snapshot_at if p > self.num_cached), None)
+        return min(n, nxt - self.num_cached) if nxt is not None else n
 
     def forced_token(self) -> int | None:
         """The end of thinking when only its own place is left in the thinking budget (the budget counts the
@@ -110,7 +119,7 @@ class Sequence:
                 out.append(d)
         return out, False
 
-    def finish(self, reason: str, error: str | None = None) -> None:
+    def finish(self, reason: str, error: str | None = None, error_kind: str | None = None) -> None:
         if self.status is Status.FINISHED:
             return
         self.status = Status.FINISHED
@@ -119,7 +128,8 @@ class Sequence:
             tail = self.stopper.flush()
             if tail:
                 deltas.insert(0, TextDelta(tail))
-        self.emit(FinishEvent(self.id, reason, self.usage(), error, deltas))
+        kind = error_kind or ("internal" if reason == "error" else None)
+        self.emit(FinishEvent(self.id, reason, self.usage(), error, deltas=deltas, error_kind=kind))
 
     def usage(self) -> Usage:
         reasoning = self.thinking_tokens + (1 if self.params.tier is not None and not self.thinking else 0)

@@ -98,12 +98,29 @@ from horizon.server.anthropic_types import (
     ThinkingEnabled,
     ToolResultBlock,
 )
-from horizon.server.http import request_tenant, response_headers, run_until_done, warning_header
+from horizon.server.http import (
+    ParsedBody,
+    off_loop,
+    request_tenant,
+    response_headers,
+    run_until_done,
+    stream_error,
+    warning_header,
+)
 from horizon.server.signatures import ThinkingSigner
-from horizon.serving import ANONYMOUS, ChatRequest, Conversation, ModelService, ServiceError, Tool, ToolPolicy
+from horizon.serving import (
+    ANONYMOUS,
+    ChatRequest,
+    Conversation,
+    ModelService,
+    ServiceError,
+    Tool,
+    ToolPolicy,
+    failure,
+)
 
 log = logging.getLogger("horizon.server.anthropic")
-router = APIRouter()
+router = APIRouter(route_class=ParsedBody)  # bodies parsed off the event loop
 
 TOOL_ERROR_PREFIX = "[tool error] "
 MIN_BUDGET_TOKENS = 1024  # the reference API's lower bound for thinking.budget_tokens
@@ -506,20 +523,19 @@ def stop_reason(finish: FinishEvent, reply: Reply, stop_sequence: str | None) ->
     return "tool_use" if reply.tool_uses else "end_turn"
 
 
-def engine_failure(finish: FinishEvent) -> str:
-    if finish.reason == "cancelled":
-        return "the request was cancelled"
-    return f"generation failed: {finish.error or 'unknown engine error'}"
-
-
 # --- routes ---------------------------------------------------------------------------------------------------
 @router.post("/v1/messages")
 async def create_message(body: MessagesRequest, request: Request):
     arrived = time.perf_counter()
     app = request.app.state
     service: ModelService = app.service
-    plan = plan_request(body, service, app.signer, request_tenant(request))
-    prepared = service.prepare(plan.request)
+    tenant = request_tenant(request)
+
+    def planned():
+        plan = plan_request(body, service, app.signer, tenant)
+        return plan, service.prepare(plan.request)
+
+    plan, prepared = await off_loop(planned)
     events = service.start(prepared, request_id=request.state.request_id)
     tier = prepared.conversation.tier
     reply = Reply(tier, plan.tool_names, lambda text, t: sign_thinking(app.signer, text, t),
@@ -563,7 +579,7 @@ async def create_message(body: MessagesRequest, request: Request):
     finish = finished[0]
     app.metrics.observe_usage(finish.usage)
     if finish.reason not in ("stop", "length"):
-        raise ServiceError("internal", engine_failure(finish))
+        raise failure(finish)
     _, outcome = on_finish(finish)
     return JSONResponse({**message, "content": reply.content, **outcome, "usage": usage_json(finish.usage)},
                         headers=headers)
@@ -572,8 +588,13 @@ async def create_message(body: MessagesRequest, request: Request):
 @router.post("/v1/messages/count_tokens")
 async def count_tokens(body: CountTokensRequest, request: Request):
     service: ModelService = request.app.state.service
-    plan = plan_request(body, service, request.app.state.signer, request_tenant(request))
-    count, warnings = service.count_tokens(plan.request)
+    tenant = request_tenant(request)
+
+    def counted():
+        plan = plan_request(body, service, request.app.state.signer, tenant)
+        return plan, service.count_tokens(plan.request)
+
+    plan, (count, warnings) = await off_loop(counted)
     return JSONResponse({"input_tokens": count}, headers=warning_header(plan.warnings + warnings))
 
 
@@ -603,8 +624,8 @@ async def sse_stream(message: dict, opening: list[dict], events, on_token, on_fi
                     yield sse(e)
                 continue
             metrics.observe_usage(event.usage)
-            if event.reason not in ("stop", "length"):
-                yield sse({"type": "error", "error": {"type": "api_error", "message": engine_failure(event)}})
+            if event.reason not in ("stop", "length"):  # the error event ends it, as Anthropic's API does
+                yield sse(stream_error(failure(event), anthropic=True))
                 return
             out, outcome = on_finish(event)
             for e in out:

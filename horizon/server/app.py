@@ -12,6 +12,7 @@ Errors: routes under /v1/messages answer in Anthropic's shape
 
 from __future__ import annotations
 
+import asyncio
 import hashlib
 import hmac
 import logging
@@ -26,9 +27,10 @@ from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
 from pydantic import BaseModel
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
+from horizon.server.http import ParsedBody, error_body, off_loop
 from horizon.server.metrics import ServerMetrics
 from horizon.server.signatures import ThinkingSigner, default_key_file
-from horizon.serving import ERROR_KINDS, Conversation, ModelService, ServiceError, Tool
+from horizon.serving import RETRY_AFTER_S, Conversation, ModelService, ServiceError, Tool
 from horizon.serving.responses_store import ResponseStore
 from horizon.serving.sealed import ReasoningSeal
 
@@ -40,6 +42,7 @@ class ServerSettings:
     api_key: str | None = None  # one key (a tenant of its own); with api_keys, one more
     api_keys: dict[str, str] = field(default_factory=dict)  # key -> tenant name; none at all: no authentication
     max_body_bytes: int = 16 * 1024 * 1024
+    body_timeout_s: float = 30  # a body that stalls this long gets a 408
     signature_key_file: str | None = None  # None: horizon.server.signatures.default_key_file()
     responses_db: str | None = None  # the Responses API's store; None: responses.sqlite3 in the state directory
     responses_retention_days: float = 30
@@ -87,23 +90,18 @@ def is_anthropic(path: str) -> bool:
 def error_response(path: str, kind: str, message: str, param: str | None = None,
                    headers: dict[str, str] | None = None, code: str | None = None) -> JSONResponse:
     """An error in the shape of the API the path belongs to."""
-    status, openai_type, anthropic_type = ERROR_KINDS[kind]
-    if is_anthropic(path):
-        if kind == "overloaded":
-            status = 529
-        body = {"type": "error", "error": {"type": anthropic_type, "message": message}}
-    else:
-        code = code or {"authentication": "invalid_api_key", "overloaded": "server_busy",
-                        "too_large": "request_too_large", "not_found": "not_found"}.get(kind)
-        body = {"error": {"message": message, "type": openai_type, "param": param, "code": code}}
+    status, body = error_body(is_anthropic(path), kind, message, param, code)
+    if kind in ("overloaded", "unavailable"):  # a retry may work: say when (the SDKs honour it)
+        headers = {"retry-after": str(RETRY_AFTER_S), **(headers or {})}
     return JSONResponse(body, status_code=status, headers=headers)
 
 
-class BodyLimit:
-    """ASGI middleware: refuse bodies over the limit, whether or not Content-Length is declared."""
+class BodyGuard:
+    """ASGI middleware: refuse bodies over the limit, whether or not Content-Length is declared, and answer 408
+    when a body stops arriving for `timeout_s` (a stalled client must not hold a worker's request open)."""
 
-    def __init__(self, app, max_bytes: int):
-        self.app, self.max_bytes = app, max_bytes
+    def __init__(self, app, max_bytes: int, timeout_s: float):
+        self.app, self.max_bytes, self.timeout_s = app, max_bytes, timeout_s
 
     async def __call__(self, scope, receive, send):
         if scope["type"] != "http":
@@ -113,18 +111,29 @@ class BodyLimit:
                                    f"the request body exceeds the limit of {self.max_bytes} bytes")
         if declared is not None and declared.isdigit() and int(declared) > self.max_bytes:
             return await too_large(scope, receive, send)
-        seen, answered = 0, False
+        seen, answered, body_done = 0, False, False
 
-        async def limited_receive():
-            nonlocal seen, answered
-            message = await receive()
+        async def refuse(response) -> dict:
+            nonlocal answered
+            if not answered:  # answer now; the app then sees a client that went away
+                answered = True
+                await response(scope, receive, send)
+            return {"type": "http.disconnect"}
+
+        async def guarded_receive():
+            nonlocal seen, body_done
+            if body_done:  # after the body, receive() waits for a disconnect: no deadline on that
+                return await receive()
+            try:
+                message = await asyncio.wait_for(receive(), self.timeout_s)
+            except TimeoutError:
+                return await refuse(error_response(scope["path"], "timeout", f"the request body stalled: nothing "
+                                                   f"arrived for {self.timeout_s:g} s"))
             if message["type"] == "http.request":
                 seen += len(message.get("body", b""))
+                body_done = not message.get("more_body", False)
                 if seen > self.max_bytes:
-                    if not answered:  # answer now; the app then sees a client that went away
-                        answered = True
-                        await too_large(scope, receive, send)
-                    return {"type": "http.disconnect"}
+                    return await refuse(too_large)
             return message
 
         async def guarded_send(message):
@@ -132,7 +141,7 @@ class BodyLimit:
                 await send(message)
 
         try:
-            await self.app(scope, limited_receive, guarded_send)
+            await self.app(scope, guarded_receive, guarded_send)
         except Exception:
             if not answered:
                 raise
@@ -219,14 +228,22 @@ def create_app(service: ModelService, settings: ServerSettings | None = None) ->
     async def prometheus():
         return Response(generate_latest(metrics.registry), media_type=CONTENT_TYPE_LATEST)
 
+    app.router.route_class = ParsedBody  # the routes below parse their body off the event loop
+
     @app.post("/tokenize")
-    async def tokenize(body: TokenizeRequest):
+    async def tokenize(body: TokenizeRequest, request: Request):
         """Token ids of plain text, or of a chat as the server would render it."""
+        return await off_loop(tokenized, body)
+
+    def tokenized(body: TokenizeRequest) -> dict:
         text = body.text if body.text is not None else body.prompt
         if sum(x is not None for x in (body.text, body.prompt, body.messages)) != 1:
             raise ServiceError("invalid_request", "send exactly one of 'text' (or 'prompt') or 'messages'")
         if text is not None:
-            ids = service.tokenizer.encode(text)
+            try:
+                ids = service.tokenizer.encode(text)
+            except ValueError as e:
+                raise ServiceError("invalid_request", str(e), param="text") from None
         else:
             try:
                 tools = [Tool.from_openai(t) for t in body.tools or ()]
@@ -239,7 +256,7 @@ def create_app(service: ModelService, settings: ServerSettings | None = None) ->
         return {"model": service.model_id, "tokens": ids, "count": len(ids),
                 "max_model_len": service.context_window}
 
-    app.add_middleware(BodyLimit, max_bytes=settings.max_body_bytes)
+    app.add_middleware(BodyGuard, max_bytes=settings.max_body_bytes, timeout_s=settings.body_timeout_s)
 
     from horizon.server import anthropic, openai, responses
 

@@ -19,11 +19,15 @@ def free_port(host: str = "127.0.0.1") -> int:
 class BackgroundServer:
     """`with BackgroundServer(app) as srv: srv.url ...` (uvicorn in a daemon thread; stopped on exit)."""
 
-    def __init__(self, app, host: str = "127.0.0.1", port: int | None = None, log_level: str = "warning"):
+    def __init__(self, app, host: str = "127.0.0.1", port: int | None = None, log_level: str = "warning",
+                 header_timeout_s: float = 10):
+        from horizon.server.process import protocol_with_timeout
+
         self.app, self.host = app, host
         self.port = port or free_port(host)
         self.url = f"http://{host}:{self.port}"
-        self.server = uvicorn.Server(uvicorn.Config(app, host=host, port=self.port, log_level=log_level))
+        self.server = uvicorn.Server(uvicorn.Config(app, host=host, port=self.port, log_level=log_level,
+                                                    http=protocol_with_timeout(header_timeout_s)))
         self.thread = threading.Thread(target=self.server.run, daemon=True)
 
     def __enter__(self) -> BackgroundServer:

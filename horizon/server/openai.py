@@ -51,7 +51,6 @@ from typing import Any
 from fastapi import APIRouter, Request
 from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse, Response, StreamingResponse
-from fastapi.routing import APIRoute
 
 from horizon.chat import (
     ErrorDelta,
@@ -63,7 +62,14 @@ from horizon.chat import (
     tier_from_reasoning_effort,
 )
 from horizon.engine import FinishEvent, SamplingParams, TokenEvent, Usage
-from horizon.server.http import request_tenant, response_headers, run_until_done
+from horizon.server.http import (
+    ParsedBody,
+    off_loop,
+    request_tenant,
+    response_headers,
+    run_until_done,
+    stream_error,
+)
 from horizon.server.openai_types import ChatCompletionRequest
 from horizon.serving import (
     ANONYMOUS,
@@ -73,6 +79,7 @@ from horizon.serving import (
     ServiceError,
     Tool,
     ToolPolicy,
+    failure,
     finish_reason,
 )
 from horizon.serving.turns import NamelessCallsAsText
@@ -80,8 +87,9 @@ from horizon.serving.turns import NamelessCallsAsText
 STARTED = int(time.time())
 
 
-class OpenAIRoute(APIRoute):
-    """Body validation errors answer in OpenAI's shape, with `param` naming the field."""
+class OpenAIRoute(ParsedBody):
+    """Bodies parsed off the event loop (`ParsedBody`); validation errors answer in OpenAI's shape, with
+    `param` naming the field."""
 
     def get_route_handler(self):
         handler = super().get_route_handler()
@@ -355,7 +363,8 @@ async def chat_completions(body: ChatCompletionRequest, request: Request):
     if body.model != service.model_id:
         return openai_error(404, f"The model {body.model!r} does not exist; this server serves "
                                  f"{service.model_id!r}", param="model", code="model_not_found")
-    prepared = service.prepare(plan_request(body, service, request_tenant(request)))
+    tenant = request_tenant(request)
+    prepared = await off_loop(lambda: service.prepare(plan_request(body, service, tenant)))
     request_id = getattr(request.state, "request_id", None) or "req_" + secrets.token_hex(12)
     streams = []
     try:
@@ -425,7 +434,7 @@ class Completion:
     def result(self) -> dict[str, Any]:
         failed = next((c for c in self.choices if c.failed), None)
         if failed is not None:
-            raise ServiceError("internal", f"generation failed: {failed.finish.error or failed.finish.reason}")
+            raise failure(failed.finish)
         choices = []
         for c in self.choices:
             choice = {"index": c.index, "message": c.message(), "finish_reason": c.finish_reason,
@@ -454,8 +463,7 @@ class Completion:
                     if isinstance(event, FinishEvent):
                         c = self.choices[i]
                         if c.failed:  # the status line is long gone: the error is the last event
-                            yield sse({"error": {"message": f"generation failed: {event.error or event.reason}",
-                                                 "type": "server_error", "param": None, "code": None}})
+                            yield sse(stream_error(failure(event)))
                             yield "data: [DONE]\n\n"
                             return
                         extra = {"parse_errors": c.errors} if c.errors else {}

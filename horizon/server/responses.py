@@ -42,10 +42,10 @@ from fastapi.responses import JSONResponse, Response, StreamingResponse
 
 from horizon.chat import ReasoningDelta, TextDelta, ToolCallArgs, ToolCallEnd, ToolCallStart, tier_from_reasoning_effort
 from horizon.engine import FinishEvent, SamplingParams, TokenEvent, Usage
-from horizon.server.http import request_tenant, response_headers, run_until_done
+from horizon.server.http import off_loop, request_tenant, response_headers, run_until_done
 from horizon.server.openai import OpenAIRoute, openai_error
 from horizon.server.responses_types import ResponsesRequest
-from horizon.serving import ChatRequest, Conversation, ModelService, ServiceError, Tool, ToolPolicy
+from horizon.serving import ChatRequest, Conversation, ModelService, ServiceError, Tool, ToolPolicy, failure
 from horizon.serving.responses_store import ResponseStore
 from horizon.serving.sealed import ReasoningSeal, SealError
 from horizon.serving.turns import NamelessCallsAsText
@@ -411,6 +411,7 @@ class Run:
 
     def __init__(self, body: ResponsesRequest, prepared, given: list[dict], ctx: Context, service: ModelService):
         self.body, self.prepared, self.given, self.ctx = body, prepared, given, ctx
+        self.failure: ServiceError | None = None  # why it ended without an answer
         tier = prepared.conversation.tier
         self.output = Output(tier, ctx, ENCRYPTED in (body.include or ()))
         fmt = body.text.format.model_dump(by_alias=True) if body.text and body.text.format else {"type": "text"}
@@ -439,8 +440,10 @@ class Run:
             if finish.reason == "length":
                 r["incomplete_details"] = {"reason": "max_output_tokens"}
         else:
+            self.failure = failure(finish)
             r["status"] = "failed"
-            r["error"] = {"code": "server_error", "message": f"generation failed: {finish.error or finish.reason}"}
+            r["error"] = {"code": {"unavailable": "server_shutting_down"}.get(self.failure.kind, "server_error"),
+                          "message": self.failure.message}
         if self.body.store and r["status"] != "failed":
             conversation = [m for m, at in zip(self.prepared.conversation.messages,
                                                self.prepared.conversation.origins or (), strict=False)
@@ -461,8 +464,12 @@ def context(request: Request, service: ModelService) -> Context:
 async def create_response(body: ResponsesRequest, request: Request):
     service: ModelService = request.app.state.service
     ctx = context(request, service)
-    req, given = plan_request(body, service, ctx)
-    prepared = prepare(service, req, body.truncation)
+
+    def planned():
+        req, given = plan_request(body, service, ctx)
+        return prepare(service, req, body.truncation), given
+
+    prepared, given = await off_loop(planned)
     stream = service.start(prepared, request_id=getattr(request.state, "request_id", None))
     run = Run(body, prepared, given, ctx, service)
     headers = response_headers(prepared)
@@ -485,8 +492,8 @@ async def create_response(body: ResponsesRequest, request: Request):
         return Response(status_code=499)  # the client went away (nginx's code); nobody reads this
     metrics.observe_usage(finished[0].usage)
     run.end(finished[0])
-    if run.response["status"] == "failed":
-        raise ServiceError("internal", run.response["error"]["message"])
+    if run.failure is not None:
+        raise run.failure
     return JSONResponse(run.response, headers=headers)
 
 

@@ -15,14 +15,17 @@ from horizon.serving.policy import Tool, ToolPolicy, answer_reserve
 from horizon.serving.service import (
     ANONYMOUS,
     ERROR_KINDS,
+    RETRY_AFTER_S,
     ChatRequest,
     Conversation,
     ModelService,
     Prepared,
     ServiceError,
     TurnStream,
+    failure,
 )
 from horizon.serving.turns import TurnStore, finish_reason, returned_message
 
-__all__ = ["ANONYMOUS", "ERROR_KINDS", "ChatRequest", "Conversation", "ModelService", "Prepared", "ServiceError",
-           "Tool", "ToolPolicy", "TurnStore", "TurnStream", "answer_reserve", "finish_reason", "returned_message"]
+__all__ = ["ANONYMOUS", "ERROR_KINDS", "RETRY_AFTER_S", "ChatRequest", "Conversation", "ModelService", "Prepared",
+           "ServiceError", "Tool", "ToolPolicy", "TurnStore", "TurnStream", "answer_reserve", "failure",
+           "finish_reason", "returned_message"]

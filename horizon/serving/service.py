@@ -15,6 +15,11 @@ and the same for every caller, so serving, eval and RL sample identically:
      `answer_reserve(max_tokens)` tokens for it;
   5. submit, with queue limits; a thinking turn is recorded in the `TurnStore` when it finishes.
 
+The request carries the prompt's message boundaries (the end of the system prompt and tool definitions,
+the last `prefix_snapshot_turns` block ends), where the engine keeps prefix-cache snapshots: every branch
+of one history resumes from the deepest boundary they share. A prompt whose text alone cannot fit the
+window (bytes / the longest token's bytes) is refused before it is tokenized.
+
     prepared = service.prepare(ChatRequest(conversation, policy, params, max_tokens, tenant))  # ServiceError
     stream = service.start(prepared)                                                         # ServiceError
     try:
@@ -26,6 +31,8 @@ and the same for every caller, so serving, eval and RL sample identically:
 from __future__ import annotations
 
 import dataclasses
+import threading
+import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
@@ -39,7 +46,8 @@ from horizon.chat.images import (
     image_parts,
     render_with_images,
 )
-from horizon.engine import Engine, FinishEvent, Request, SamplingParams, TokenEvent
+from horizon.chat.template import Rendered
+from horizon.engine import Engine, EngineClosed, FinishEvent, QueueFull, Request, SamplingParams, TokenEvent
 from horizon.engine.engine import EventStream, Result
 from horizon.model.vision import num_image_tokens
 from horizon.serving.policy import PolicyError, Tool, ToolPolicy, answer_reserve, constraint_for
@@ -66,9 +74,12 @@ ERROR_KINDS = {
     "authentication": (401, "authentication_error", "authentication_error"),
     "not_found": (404, "not_found_error", "not_found_error"),
     "too_large": (413, "invalid_request_error", "request_too_large"),
+    "timeout": (408, "invalid_request_error", "invalid_request_error"),  # the client stalled
     "overloaded": (429, "rate_limit_error", "overloaded_error"),  # Anthropic answers 529
+    "unavailable": (503, "server_error", "overloaded_error"),  # shutting down: retry elsewhere or later
     "internal": (500, "server_error", "api_error"),
 }
+RETRY_AFTER_S = 1  # the Retry-After of a refusal that a retry may fix (queue full, draining)
 
 
 @dataclass
@@ -144,9 +155,16 @@ class TurnStream:
 
 class ModelService:
     def __init__(self, engine: Engine, tokenizer, model_id: str, history_policy: str = "reject",
-                 max_queue: int = 64, image_limits: ImageLimits | None = None, turn_store_bytes: int = 64 * 1024**2):
+                 max_queue: int = 64, image_limits: ImageLimits | None = None, turn_store_bytes: int = 64 * 1024**2,
+                 prefix_snapshot_turns: int = 2):
         if history_policy not in ("reject", "strict", "warn"):
             raise ValueError(f"history_policy={history_policy!r}; allowed: reject, strict, warn")
+        if prefix_snapshot_turns < 0:
+            raise ValueError(f"prefix_snapshot_turns={prefix_snapshot_turns} must be >= 0")
+        self.prefix_snapshot_turns = prefix_snapshot_turns
+        # the most text bytes one token stands for: bytes / this is a lower bound on a text's token count
+        self.max_token_bytes = max([len(tokenizer.token_bytes(t) or b"") for t in range(tokenizer.vocab_size)] +
+                                   [len(t.encode()) for t in tokenizer.special_text.values()])
         self.engine, self.tokenizer, self.model_id = engine, tokenizer, model_id
         self.template = ChatTemplate(tokenizer)
         self.history_policy, self.max_queue = history_policy, max_queue
@@ -197,14 +215,26 @@ class ModelService:
     def render(self, conv: Conversation, add_generation_prompt: bool = True,
                pixels: dict[int, Any] | None = None) -> tuple[list[int], list[Any]]:
         """(prompt ids, the images in placeholder order); each image takes the tokens its size gives."""
+        out, images = self.render_full(conv, add_generation_prompt, pixels)
+        return out.ids, images
+
+    def render_full(self, conv: Conversation, add_generation_prompt: bool = True,
+                    pixels: dict[int, Any] | None = None) -> tuple[Rendered, list[Any]]:
+        """`render`, with the template's whole output (message boundaries included)."""
         cfg = self.engine.model.config
         try:
-            out, images = render_with_images(self.tokenizer, conv.messages, pixels or {},
-                                             lambda h, w: num_image_tokens(cfg, h, w), tools=conv.rendered_tools,
-                                             tier=conv.tier, add_generation_prompt=add_generation_prompt)
+            return render_with_images(self.tokenizer, conv.messages, pixels or {},
+                                      lambda h, w: num_image_tokens(cfg, h, w), tools=conv.rendered_tools,
+                                      tier=conv.tier, add_generation_prompt=add_generation_prompt)
         except ValueError as e:
             raise ServiceError("invalid_request", str(e), param="messages") from None
-        return out.ids, images
+
+    def check_text_size(self, conv: Conversation) -> None:
+        """A context error, before any tokenizing, when the text alone needs more tokens than the window (each
+        message also takes at least two special tokens: its start and its end)."""
+        at_least = -(-text_bytes(conv) // self.max_token_bytes) + 2 * len(conv.messages)
+        if at_least > self.context_window:
+            raise context_error(at_least, None, self.context_window, exact=False)
 
     def restore_thinking(self, conv: Conversation, tenant: str, pixels: dict[int, Any],
                          digests: dict[int, str] | None = None) -> tuple[Conversation, int]:
@@ -238,13 +268,15 @@ class ModelService:
     def prepare(self, req: ChatRequest) -> Prepared:
         """Restore, validate, render, size and constrain a request (module docstring); ServiceError if refused."""
         conv = req.conversation
+        self.check_text_size(conv)
         pixels = self.decode_images(conv)
         digests: dict[int, str] = {}  # each image's pixels are hashed once, however many prefixes hold it
         conv, restored_turns = self.restore_thinking(conv, req.tenant, pixels, digests)
         warnings = self.check_history(conv)
         if conv.tier is not None:  # tool-call turns still without thinking: left to the history policy
             self.turns.unknown += sum(needs_thinking(m) and bool(m.get("tool_calls")) for m in conv.messages)
-        ids, images = self.render(conv, pixels=pixels)
+        rendered, images = self.render_full(conv, pixels=pixels)
+        ids = rendered.ids
         max_tokens = self.size(len(ids), req.max_tokens, conv.tier, req.params.thinking_budget)
         try:
             constraint, banned, policy_warnings = constraint_for(conv.tools, req.policy, self.engine.grammars,
@@ -258,7 +290,9 @@ class ModelService:
                 budget = max(1, min(budget, max_tokens - answer_reserve(max_tokens)))
         params = dataclasses.replace(req.params, max_tokens=max_tokens, tier=conv.tier, thinking_budget=budget,
                                      banned_token_ids=sorted({*req.params.banned_token_ids, *banned}))
-        request = Request(ids, params, tools=conv.rendered_tools, constraint=constraint, images=images or None)
+        turns = rendered.block_ends[-self.prefix_snapshot_turns:] if self.prefix_snapshot_turns else []
+        request = Request(ids, params, tools=conv.rendered_tools, constraint=constraint, images=images or None,
+                          snapshot_at=(rendered.preamble_end, *turns))
         if req.request_id:
             request.request_id = req.request_id
         gen_prompt = len(self.template.generation_prompt(conv.tier))
@@ -282,16 +316,11 @@ class ModelService:
 
     def count_tokens(self, req: ChatRequest) -> tuple[int, list[str]]:
         """(prompt tokens, history warnings): the prompt `prepare` would render, without generating."""
+        self.check_text_size(req.conversation)
         pixels = self.decode_images(req.conversation)
         conv, _ = self.restore_thinking(req.conversation, req.tenant, pixels)
         warnings = self.check_history(conv)
         return len(self.render(conv, pixels=pixels)[0]), warnings
-
-    def check_queue(self) -> None:
-        queued = self.engine.metrics()["queue_length"]
-        if queued >= self.max_queue:
-            raise ServiceError("overloaded", f"the server is busy: {queued} requests are waiting "
-                                             f"(limit {self.max_queue}); retry shortly")
 
     def start(self, prepared: Prepared, seed_offset: int = 0, request_id: str | None = None) -> TurnStream:
         """Submit to the engine now and return the event stream (an async iterator with `cancel()`).
@@ -300,12 +329,36 @@ class ModelService:
         byte is sent. Whoever consumes the stream must call `cancel()` when the client goes away (a
         `finally:` around the iteration). `seed_offset` i gives choice i of n the seed seed + i.
         """
-        self.check_queue()
         request = self._request(prepared, seed_offset, request_id)
         try:
-            return TurnStream(self, prepared, self.engine.open_stream(request))
+            return TurnStream(self, prepared, self.engine.open_stream(request, max_queued=self.max_queue))
+        except QueueFull as e:
+            raise ServiceError("overloaded", f"the server is busy: {e.queued} requests are waiting "
+                                             f"(limit {e.limit}); retry shortly") from None
+        except EngineClosed as e:
+            raise ServiceError("unavailable", f"{e}: it takes no new requests; retry on another server or "
+                                              "once it is back") from None
         except ValueError as e:  # bad sampling values, too long
             raise ServiceError("invalid_request", str(e)) from None
+
+    def drain(self, timeout_s: float, message: str = "the server is shutting down") -> threading.Thread:
+        """Stop taking requests now; let running ones finish for up to `timeout_s`, then end what is left
+        with an "unavailable" error (each API turns it into a proper ending of its stream). Returns the
+        thread that waits; it ends when the engine is idle."""
+        self.engine.close(message)
+
+        def wait() -> None:
+            deadline = time.monotonic() + timeout_s
+            while self.engine.sequences and time.monotonic() < deadline:
+                time.sleep(0.05)
+            if self.engine.sequences:
+                self.engine.abort_all(message)
+            while self.engine.sequences:  # the engine thread ends them within a step
+                time.sleep(0.01)
+
+        thread = threading.Thread(target=wait, name="horizon-drain", daemon=True)
+        thread.start()
+        return thread
 
     def run(self, prepared: list[Prepared]) -> list[Result]:
         """Run prepared requests to completion on the calling thread, as one engine batch (in-process callers:
@@ -330,12 +383,50 @@ class ModelService:
         self.turns.record(prepared.tenant, prepared.prefix, message, token_ids)
 
 
-def context_error(prompt: int, max_tokens: int | None, window: int) -> ServiceError:
-    """OpenAI's and Anthropic's wording, which clients match (litellm's ContextWindowExceededError, ...)."""
+def failure(finish: FinishEvent) -> ServiceError:
+    """The error a request that ended without an answer (reason "error") gets before its status line is sent."""
+    kind = {"invalid_request": "invalid_request", "unavailable": "unavailable"}.get(finish.error_kind, "internal")
+    return ServiceError(kind, f"generation failed: {finish.error or finish.reason}")
+
+
+def text_bytes(conv: Conversation) -> int:
+    """UTF-8 bytes of the text the prompt encodes (contents, reasoning, call names and arguments, tool
+    definitions): every one of them is in the rendered prompt, so this never overstates it."""
+    n = 0
+
+    def add(x: Any) -> None:
+        nonlocal n
+        if isinstance(x, str):
+            n += len(x.encode("utf-8", "surrogatepass"))
+
+    for m in conv.messages:
+        if not isinstance(m, dict):
+            continue
+        content = m.get("content")
+        add(content)
+        if isinstance(content, list):
+            for part in content:
+                if isinstance(part, dict):
+                    add(part.get("text"))
+        add(m.get("reasoning_content"))
+        for call in m.get("tool_calls") or ():
+            fn = call.get("function") if isinstance(call, dict) else None
+            if isinstance(fn, dict):
+                add(fn.get("name"))
+                add(fn.get("arguments"))
+    for t in conv.tools:
+        add(t.description)
+    return n
+
+
+def context_error(prompt: int, max_tokens: int | None, window: int, exact: bool = True) -> ServiceError:
+    """OpenAI's and Anthropic's wording, which clients match (litellm's ContextWindowExceededError, ...).
+    Not `exact`: `prompt` is a lower bound (the text's size, before tokenizing)."""
     if max_tokens is None:
+        count = f"{prompt}" if exact else f"at least {prompt}"
         message = (f"This model's maximum context length is {window} tokens. However, your messages resulted in "
-                   f"{prompt} tokens. Please reduce the length of the messages.")
-        anthropic = f"prompt is too long: {prompt} tokens > {window} maximum"
+                   f"{count} tokens. Please reduce the length of the messages.")
+        anthropic = f"prompt is too long: {count} tokens > {window} maximum"
     else:
         message = (f"This model's maximum context length is {window} tokens. However, you requested "
                    f"{prompt + max_tokens} tokens ({prompt} in the messages, {max_tokens} in the completion). "
