@@ -142,7 +142,7 @@ def test_a_burst_never_admits_more_than_the_running_slots_plus_the_queue(tmp_pat
             responses = list(pool.map(one, range(30)))
         codes = [r.status_code for r in responses]
         assert max(accepted) <= 2 + 2  # running slots + queue limit, at every admission
-        assert set(codes) <= {200, 429, 529} and codes.count(200) == len(accepted) >= 2
+        assert set(codes) <= {200, 429, 529} and codes.count(200) == len(accepted) >= 4
         assert codes.count(200) < 30  # the burst overflowed the queue
         for i, r in enumerate(responses):
             if r.status_code != 200:

@@ -176,8 +176,8 @@ class Engine:
     # --- requests ----------------------------------------------------------------------------------
     def submit(self, request: Request, on_event: Callable[[Event], None], max_queued: int | None = None) -> None:
         """Queue a request (thread-safe); `on_event` receives its events on the engine's thread. With
-        `max_queued`, QueueFull when that many accepted requests are already waiting to run; EngineClosed
-        after `close()`."""
+        `max_queued`, QueueFull when that many accepted requests would wait with no free slot (so at most
+        max_num_seqs + max_queued are ever accepted and unfinished); EngineClosed after `close()`."""
         params = request.params
         params.validate(self.model.config.vocab_size)
         prompt = request.prompt_ids
@@ -205,7 +205,8 @@ class Engine:
                 raise EngineClosed(self._closed)
             if request.request_id in self.sequences:
                 raise ValueError(f"request_id {request.request_id!r} is already in use")
-            if max_queued is not None and self.queued >= max_queued:
+            # free slots take requests at the next step: they never wait, so they do not count against the queue
+            if max_queued is not None and self.queued - self.scheduler.slots.num_free >= max_queued:
                 raise QueueFull(self.queued, max_queued)
             self.sequences[seq.id] = seq
             self._inbox.put(("submit", seq))
