@@ -11,7 +11,7 @@ PORT   ?= 8000
 # Re-install only when the dependency list changes.
 STAMP  := $(VENV)/.installed-$(shell cksum pyproject.toml | cut -d' ' -f1)
 
-.PHONY: serve test lint bench install clean bundle
+.PHONY: serve test lint bench install clean bundle browser screenshot
 
 $(STAMP): pyproject.toml
 	@test -x $(PY) || $(PYTHON) -m venv $(VENV)
@@ -27,9 +27,23 @@ install: $(STAMP)
 serve: $(STAMP)
 	$(VENV)/bin/horizon serve --host $(HOST) --port $(PORT) $(SERVE_ARGS)
 
-test: $(STAMP)
+test: $(STAMP) browser
 	$(VENV)/bin/ruff check horizon tests bench
 	$(PY) -m pytest
+
+# The web playground's test drives a real browser: Debian's chromium and its driver, installed with apt
+# where this runs as root (as in CI); elsewhere that one test is skipped, with the reason in the summary.
+browser:
+	@if command -v chromium >/dev/null && command -v chromedriver >/dev/null; then :; \
+	elif [ "$$(id -u)" = 0 ] && command -v apt-get >/dev/null; then \
+		echo "installing chromium and chromium-driver (apt) for the playground's browser test"; \
+		apt-get update -qq && DEBIAN_FRONTEND=noninteractive apt-get install -y -qq --no-install-recommends \
+			chromium chromium-driver >/dev/null || echo "apt could not install chromium: that test will be skipped"; \
+	else echo "chromium / chromedriver missing and not root: the playground's browser test will be skipped"; fi
+
+# The README's screenshot of the playground, from the same browser run as the test (not part of `make test`).
+screenshot: $(STAMP) browser
+	HORIZON_SCREENSHOT=docs/playground.png $(PY) -m pytest tests/test_playground.py -k page -q
 
 # The bundled model horizon-tiny, in four stages (DESIGN 1.2; ~2 h on 2 CPU cores):
 #   1. sft: the `mini` preset from random weights on the agent domains (attention as configured);

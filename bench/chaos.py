@@ -91,8 +91,8 @@ async def run(args) -> dict:
                     counts["requests"] += 1
                     if kind == "malformed":
                         counts["malformed"] += 1
-                        bad = rng.choice(['{"model": "%s", "messages": "x"}' % MODEL, '{"stream": "yes"}', "[1, 2",
-                                          '{"model": "%s", "max_tokens": "10", "messages": []}' % MODEL])
+                        bad = rng.choice([json.dumps({"model": MODEL, "messages": "x"}), '{"stream": "yes"}', "[1, 2",
+                                          json.dumps({"model": MODEL, "max_tokens": "10", "messages": []})])
                         r = await client.post(url + "/v1/chat/completions", content=bad,
                                               headers={"content-type": "application/json"})
                         counts["malformed_4xx"] += 400 <= r.status_code < 500

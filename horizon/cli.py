@@ -199,13 +199,15 @@ def _build_app(model: str | None, served_model_name: str | None = None, api_keys
                thinking_store_mb: float = 64, responses_db: str | None = None,
                responses_retention_days: float = 30, reasoning_key_file: str | None = None,
                prefix_snapshot_turns: int = 2, body_timeout_s: float = 30, prefix_cache_mb: float = 256,
-               check_weights: bool = True):
+               check_weights: bool = True, playground: bool = True, playground_root: str | None = None,
+               playground_hosts: list[str] | None = None):
     """(the FastAPI app over one engine, the served model id, the checkpoint's source)."""
     import os
 
     from horizon.checkpoint import open_model
     from horizon.engine import Engine, EngineConfig
     from horizon.server import ModelService, ServerSettings, create_app
+    from horizon.server.playground import PlaygroundSettings
 
     bundle = open_model(model, check_finite=check_weights)
     engine = Engine(bundle.model, bundle.tokenizer,
@@ -224,7 +226,8 @@ def _build_app(model: str | None, served_model_name: str | None = None, api_keys
     app = create_app(service, ServerSettings(api_keys=api_keys or {}, max_body_bytes=max_body_bytes,
                                              responses_db=responses_db, reasoning_key_file=reasoning_key_file,
                                              responses_retention_days=responses_retention_days,
-                                             signature_key_file=signature_key_file, body_timeout_s=body_timeout_s))
+                                             signature_key_file=signature_key_file, body_timeout_s=body_timeout_s),
+                     PlaygroundSettings(playground_root, playground_hosts or []) if playground else None)
     return app, model_id, bundle.source
 
 
@@ -255,11 +258,13 @@ def _cmd_serve(args: argparse.Namespace) -> int:
                                            args.max_body_bytes, args.allow_local_images, args.thinking_store_mb,
                                            args.responses_db, args.responses_retention_days, args.reasoning_key_file,
                                            args.prefix_snapshot_turns, args.body_timeout, args.prefix_cache_mb,
-                                           not args.no_weight_check)
+                                           not args.no_weight_check, not args.no_playground, args.playground_root,
+                                           args.playground_allowed_host)
     except ValueError as e:  # a setting the model or engine cannot take (e.g. --max-model-len past the window)
         raise SystemExit(f"horizon serve: {e}") from None
+    page = "" if args.no_playground else f"; the playground: http://{args.host}:{args.port}/"
     print(f"horizon serve: {model_id} ({source}) on http://{args.host}:{args.port} "
-          f"(OpenAI /v1/chat/completions, Anthropic /v1/messages; "
+          f"(OpenAI /v1/chat/completions, Anthropic /v1/messages{page}; "
           f"auth {f'on, {len(set(keys.values()))} tenant(s)' if keys else 'off'})", flush=True)
     serve(app, app.state.service, args.host, args.port, args.log_level, drain_timeout_s=args.drain_timeout,
           header_timeout_s=args.header_timeout)
@@ -624,6 +629,12 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--drain-timeout", type=float, default=30, metavar="S",
                    help="on SIGTERM, let running requests finish for up to S seconds, then end their streams with "
                         "an error event and exit")
+    p.add_argument("--no-playground", action="store_true", help="leave out the web playground (the page at /)")
+    p.add_argument("--playground-root", default=None, metavar="DIR",
+                   help="the folder the playground's `files` tool may read and write (default: no `files` tool)")
+    p.add_argument("--playground-allowed-host", action="append", default=[], metavar="NAME",
+                   help="a host name the playground may be reached by besides IP addresses and localhost "
+                        "(repeatable; other names are refused, which stops DNS rebinding)")
     p.add_argument("--no-weight-check", action="store_true",
                    help="skip the check for NaN / infinite weights at load (it costs ~4 ms on the bundled model, "
                         "~60 ms on the bf16 `small` preset)")

@@ -6,7 +6,7 @@ from collections.abc import Callable
 from contextlib import contextmanager
 
 from horizon.checkpoint import open_model
-from horizon.engine import Engine, EngineConfig
+from horizon.engine import Engine, EngineConfig, Request, SamplingParams
 from horizon.server import ServerSettings, create_app
 from horizon.server.background import BackgroundServer
 from horizon.serving import ModelService
@@ -23,8 +23,9 @@ class LiveServer(BackgroundServer):
     def __init__(self, key_dir, api_key: str | None = "test-key", history_policy: str = "reject",
                  max_queue: int = 64, engine_config: EngineConfig | None = None, max_body_bytes: int = 1 << 20,
                  generation_config: dict | None = None, api_keys: dict[str, str] | None = None,
-                 header_timeout_s: float = 10, body_timeout_s: float = 30):
-        bundle = open_model("tiny-random")
+                 header_timeout_s: float = 10, body_timeout_s: float = 30, playground=None,
+                 model: str = "tiny-random"):
+        bundle = open_model(model)
         self.engine = Engine(bundle.model, bundle.tokenizer,
                              engine_config or EngineConfig(max_num_seqs=4, max_model_len=2048, max_batch_tokens=256),
                              generation_config={**bundle.generation_config, **(generation_config or {})})
@@ -34,7 +35,8 @@ class LiveServer(BackgroundServer):
                                                            max_body_bytes=max_body_bytes, body_timeout_s=body_timeout_s,
                                                            signature_key_file=str(key_dir / "signature.key"),
                                                            reasoning_key_file=str(key_dir / "reasoning.keys"),
-                                                           responses_db=str(key_dir / "responses.sqlite3")))
+                                                           responses_db=str(key_dir / "responses.sqlite3")),
+                              playground)
         self.api_key = api_key
         super().__init__(self.app, header_timeout_s=header_timeout_s)
 
@@ -43,15 +45,29 @@ class LiveServer(BackgroundServer):
 def engine_requests(server: LiveServer, change: Callable | None = None):
     """The requests the engine gets below the serving seam, in order (a list, filled as they come); `change`
     may replace each one first (steer the random model the way a trained one would choose)."""
-    seen, open_stream = [], server.engine.open_stream
+    seen, submit = [], server.engine.submit
 
-    def hook(request, **kwargs):
+    def hook(request, on_event, max_queued=None):
         request = change(request) if change else request
         seen.append(request)
-        return open_stream(request, **kwargs)
+        return submit(request, on_event, max_queued)
 
-    server.engine.open_stream = hook
+    server.engine.submit = hook  # every way in (streams, the playground's client) goes through submit
     try:
         yield seen
     finally:
-        del server.engine.open_stream
+        del server.engine.submit
+
+
+@contextmanager
+def busy_server(key_dir):
+    """A LiveServer whose one slot is taken (by a long request made below the seam) and whose queue holds
+    nothing: every request it gets is refused as overloaded."""
+    with LiveServer(key_dir, max_queue=0,
+                    engine_config=EngineConfig(max_num_seqs=1, max_model_len=2048, max_batch_tokens=256)) as srv:
+        hog = Request([1, 2, 3], SamplingParams(max_tokens=2000, ignore_eos=True))
+        srv.engine.submit(hog, lambda event: None)
+        try:
+            yield srv
+        finally:
+            srv.engine.cancel(hog.request_id)

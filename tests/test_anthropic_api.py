@@ -24,7 +24,7 @@ from horizon.server.anthropic import Reply, plan_request, sign_thinking, thinkin
 from horizon.server.anthropic_types import CountTokensRequest, MessagesRequest
 from horizon.server.signatures import ThinkingSigner
 
-from .live import LiveServer, engine_requests
+from .live import LiveServer, busy_server, engine_requests
 
 MODEL = "horizon-test"
 # low: thinking ends at once, its closing token the whole budget (the tool round trip relies on it)
@@ -319,7 +319,7 @@ def test_every_refusal_answers_in_anthropics_shape(srv, client):
 
 
 def test_a_full_queue_answers_529_overloaded(tmp_path):
-    with LiveServer(tmp_path, max_queue=0) as busy:
+    with busy_server(tmp_path) as busy:
         message = error_of(post(busy, {"model": MODEL, "max_tokens": 4, "messages": [USER]}), 529, "overloaded_error")
         assert "busy" in message
         with pytest.raises(anthropic.InternalServerError) as e:

@@ -54,6 +54,7 @@ class AgentConfig:
     temperature: float | None = None
     seed: int | None = None
     extra: dict[str, Any] = field(default_factory=dict)  # merged into every request body
+    response_schema: dict[str, Any] | None = None  # every answer must be JSON of this schema (calls still allowed)
 
     def validate(self) -> None:
         if self.max_steps < 1:
@@ -258,7 +259,7 @@ class Episode:
                              f"(offered: {', '.join(agent.tools)})")
         self.req = StepRequest(list(self.messages), list(agent.tools.values()), plan.tier, plan.tool_choice,
                                min(cfg.max_tokens_per_step, left) if left is not None else cfg.max_tokens_per_step,
-                               cfg.system, cfg.temperature, cfg.seed, dict(cfg.extra))
+                               cfg.system, cfg.temperature, cfg.seed, dict(cfg.extra), cfg.response_schema)
         agent.on_event("step", {"step": self.step, "tier": plan.tier, "tool_choice": plan.tool_choice})
         return self.req
 

@@ -138,6 +138,10 @@ class CountTokensRequest(Loose):
     output_config: OutputConfig | None = None
 
 
+class Metadata(Loose):
+    user_id: str | None = None
+
+
 class MessagesRequest(CountTokensRequest):
     max_tokens: int = Field(ge=1)  # required, as in the reference API; it includes thinking tokens
     stream: bool = False
@@ -145,4 +149,4 @@ class MessagesRequest(CountTokensRequest):
     temperature: float | None = Field(default=None, ge=0, le=1)
     top_p: float | None = Field(default=None, gt=0, le=1)
     top_k: int | None = Field(default=None, ge=0)
-    metadata: dict[str, Any] | None = None  # accepted and ignored
+    metadata: Metadata | None = None  # accepted and ignored

@@ -29,6 +29,7 @@ from starlette.exceptions import HTTPException as StarletteHTTPException
 
 from horizon.server.http import ParsedBody, error_body, off_loop
 from horizon.server.metrics import ServerMetrics
+from horizon.server.playground import PlaygroundSettings
 from horizon.server.signatures import ThinkingSigner, default_key_file
 from horizon.serving import RETRY_AFTER_S, Conversation, ModelService, ServiceError, Tool
 from horizon.serving.responses_store import ResponseStore
@@ -80,7 +81,7 @@ def read_keys_file(path: str) -> dict[str, str]:
 
 ROUTES = ("POST /v1/chat/completions", "POST /v1/responses", "GET|DELETE /v1/responses/{id}",
           "GET /v1/responses/{id}/input_items", "GET /v1/models", "POST /v1/messages", "POST /v1/messages/count_tokens",
-          "POST /tokenize", "GET /health", "GET /metrics")
+          "POST /tokenize", "GET /health", "GET /metrics", "GET / (the playground)")
 
 
 def is_anthropic(path: str) -> bool:
@@ -156,7 +157,9 @@ class TokenizeRequest(BaseModel):
     add_generation_prompt: bool = True
 
 
-def create_app(service: ModelService, settings: ServerSettings | None = None) -> FastAPI:
+def create_app(service: ModelService, settings: ServerSettings | None = None,
+               playground: PlaygroundSettings | None = None) -> FastAPI:
+    """The app; `playground` adds the web page at `/` and its run endpoint (horizon.server.playground)."""
     settings = settings or ServerSettings()
     engine = service.engine
     keys = settings.tenants()
@@ -263,13 +266,17 @@ def create_app(service: ModelService, settings: ServerSettings | None = None) ->
     app.include_router(openai.router)
     app.include_router(responses.router)
     app.include_router(anthropic.router)
+    if playground is not None:
+        from horizon.server.playground import create_router
+
+        app.include_router(create_router(playground))
     return app
 
 
 def _check_api_key(request: Request, keys: dict[str, str]) -> Response | None:
     """None when allowed (the key's tenant set on the request); else a 401 in the route's shape. Every key
     is compared, in constant time, so the answer's timing says nothing about which came close."""
-    if not keys or not request.url.path.startswith("/v1/"):
+    if not keys or not (request.url.path.startswith("/v1/") or request.url.path == "/playground/run"):
         return None
     path = request.url.path
     auth = request.headers.get("authorization", "")

@@ -74,6 +74,7 @@ class StreamOptions(Lenient):
 class ChatCompletionRequest(Lenient):
     model: str
     messages: Annotated[list[dict[str, Any]], Field(min_length=1)]
+    user: str | None = None  # accepted and ignored (typed: the spec's string)
     stream: bool = False
     stream_options: StreamOptions | None = None
     tools: list[Tool] | None = None

@@ -160,10 +160,12 @@ class Translator:
             for key in ("call_id", "name"):
                 if not isinstance(item.get(key), str) or not item.get(key):
                     raise bad(f"{where}.{key}: a non-empty string is needed", where)
+            if not isinstance(item.get("arguments"), str):
+                raise bad(f"{where}.arguments: the call's arguments as a JSON string are needed", where)
             turn = self._assistant(where, 2)
             turn.setdefault("tool_calls", []).append(
                 {"id": item["call_id"], "type": "function",
-                 "function": {"name": item["name"], "arguments": item.get("arguments") or "{}"}})
+                 "function": {"name": item["name"], "arguments": item["arguments"]}})
             if "tier" in item and "thinking_tier" not in turn:
                 turn["thinking_tier"] = item["tier"]
         elif kind == "function_call_output":
@@ -217,6 +219,10 @@ def plan_request(body: ResponsesRequest, service: ModelService, ctx: Context) ->
         params = t.get("parameters")
         if params is not None and not isinstance(params, dict):
             raise bad(f"tools[{i}].parameters: a JSON schema object is needed", f"tools[{i}].parameters")
+        if not isinstance(t.get("description"), str | None):
+            raise bad(f"tools[{i}].description: a string is needed", f"tools[{i}].description")
+        if not isinstance(t.get("strict"), bool | None):
+            raise bad(f"tools[{i}].strict: true or false is needed", f"tools[{i}].strict")
         tools.append(Tool(name, params, t.get("description"), t.get("strict") is not False))
     choice = body.tool_choice if body.tool_choice is not None else "auto"
     fmt = body.text.format if body.text else None

@@ -63,6 +63,7 @@ class TextConfig(Lenient):
 
 class ResponsesRequest(Lenient):
     model: str
+    user: str | None = None  # accepted and ignored (typed: the spec's string)
     input: str | list[dict[str, Any]]
     instructions: str | None = None
     tools: list[dict[str, Any]] | None = None  # checked one by one: only function tools are served

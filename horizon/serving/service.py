@@ -30,6 +30,7 @@ window (bytes / the longest token's bytes) is refused before it is tokenized.
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import threading
 import time
@@ -330,8 +331,22 @@ class ModelService:
         `finally:` around the iteration). `seed_offset` i gives choice i of n the seed seed + i.
         """
         request = self._request(prepared, seed_offset, request_id)
-        try:
+        with self._admitting():
             return TurnStream(self, prepared, self.engine.open_stream(request, max_queued=self.max_queue))
+
+    def submit(self, prepared: Prepared, on_event: Callable, request_id: str | None = None) -> str:
+        """`start` for a caller on a plain thread: `on_event` gets the engine events on the engine's thread (the
+        turn is not recorded). Returns the engine request id (for `engine.cancel`)."""
+        request = self._request(prepared, request_id=request_id)
+        with self._admitting():
+            self.engine.submit(request, on_event, max_queued=self.max_queue)
+        return request.request_id
+
+    @contextlib.contextmanager
+    def _admitting(self):
+        """The engine's refusals as ServiceErrors."""
+        try:
+            yield
         except QueueFull as e:
             raise ServiceError("overloaded", f"the server is busy: {e.queued} requests are waiting "
                                              f"(limit {e.limit}); retry shortly") from None
@@ -409,7 +424,8 @@ def text_bytes(conv: Conversation) -> int:
                 if isinstance(part, dict):
                     add(part.get("text"))
         add(m.get("reasoning_content"))
-        for call in m.get("tool_calls") or ():
+        calls = m.get("tool_calls")
+        for call in calls if isinstance(calls, list) else ():
             fn = call.get("function") if isinstance(call, dict) else None
             if isinstance(fn, dict):
                 add(fn.get("name"))

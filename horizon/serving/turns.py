@@ -87,8 +87,10 @@ def turn_form(message: dict[str, Any]) -> str:
     if isinstance(content, list):  # text parts
         content = "".join(p.get("text", "") for p in content if isinstance(p, dict))
     calls = []
-    for call in message.get("tool_calls") or ():
-        fn = (call.get("function") or {}) if isinstance(call, dict) else {}
+    given = message.get("tool_calls")
+    for call in given if isinstance(given, list) else ():  # a malformed history is the history check's to report
+        fn = call.get("function") if isinstance(call, dict) else None
+        fn = fn if isinstance(fn, dict) else {}
         calls.append([fn.get("name"), _arguments(fn.get("arguments"))])
     return json.dumps([content or "", calls], sort_keys=True, ensure_ascii=False, separators=(",", ":"))
 
