@@ -82,8 +82,9 @@ async def run(args) -> dict:
             banned = {str(t): -100 for t in range(4096)}
             kinds = ["normal"] * 6 + ["cut"] * 3 + ["poison_banned", "poison_tiny_temperature", "malformed"]
             sem = asyncio.Semaphore(args.concurrency)
-            counts = {"requests": 0, "completed": 0, "disconnects": 0, "poisons": 0, "poison_errors": 0,
-                      "malformed": 0, "malformed_4xx": 0, "mismatches": 0, "server_errors": 0}
+            counts = {"requests": 0, "completed": 0, "disconnects": 0, "poison_banned": 0, "poison_banned_errors": 0,
+                      "poison_tiny_temperature": 0, "malformed": 0, "malformed_4xx": 0, "mismatches": 0,
+                      "server_errors": 0}
 
             async def one(i: int) -> None:
                 kind, prompt = rng.choice(kinds), rng.choice(prompts)
@@ -99,12 +100,12 @@ async def run(args) -> dict:
                         counts["server_errors"] += r.status_code >= 500
                         return
                     if kind.startswith("poison"):
-                        counts["poisons"] += 1
+                        counts[kind] += 1
                         extra = {"logit_bias": banned} if kind == "poison_banned" else {"temperature": 1e-40}
                         out = await stream(client, url, body(prompt, **extra), None)
-                        if kind == "poison_banned":
-                            counts["poison_errors"] += out.get("error") is not None
-                        else:
+                        if kind == "poison_banned":  # its own error event, nobody else's
+                            counts["poison_banned_errors"] += out.get("error") is not None
+                        else:  # a temperature that once overflowed: now greedy, so it must equal the baseline
                             counts["mismatches"] += out.get("text") != alone[prompt]
                         return
                     cut = rng.randrange(1, 12) if kind == "cut" else None
