@@ -45,7 +45,7 @@ browser:
 screenshot: $(STAMP) browser
 	HORIZON_SCREENSHOT=docs/playground.png $(PY) -m pytest tests/test_playground.py -k page -q
 
-# The bundled model horizon-tiny, in four stages (DESIGN 1.2; ~2 h on 2 CPU cores):
+# The bundled model horizon-tiny, in four stages (docs/design.md §1.2; ~2 h on 2 CPU cores):
 #   1. sft: the `mini` preset from random weights on the agent domains (attention as configured);
 #   2. dense: continued with dense attention and the `recall` copying curriculum added; this is where
 #      copying (the digits of a pass key, an expression, a tool result) is learned;

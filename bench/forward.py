@@ -16,16 +16,10 @@ import platform
 import time
 
 import torch
+from common import set_topk
 
 from horizon import ModelConfig
 from horizon.model import Batch, HorizonForCausalLM
-from horizon.model.dsa import GatedDSA
-
-
-def set_topk(model: HorizonForCausalLM, k: int) -> None:
-    for m in model.modules():
-        if isinstance(m, GatedDSA) and m.indexer is not None:
-            m.indexer.topk = k
 
 
 @torch.inference_mode()

@@ -249,7 +249,7 @@ def _check_quantize(quantize: str | None) -> None:
 
 def save(model: HorizonForCausalLM, path: str | Path, quantize: str | None = None, tokenizer=None,
          generation_config: dict[str, Any] | None = None, max_shard_bytes: int = DEFAULT_SHARD_BYTES) -> Path:
-    """Write a checkpoint folder; `quantize="mxfp4"` stores the routed experts as MXFP4 (DESIGN 2)."""
+    """Write a checkpoint folder; `quantize="mxfp4"` stores the routed experts as MXFP4 (docs/design.md §2)."""
     _check_quantize(quantize)
     path = Path(path)
     path.mkdir(parents=True, exist_ok=True)

@@ -602,7 +602,7 @@ def build_parser() -> argparse.ArgumentParser:
                    help="more keys, one per line: KEY or TENANT:KEY (keys naming one tenant share it)")
     p.add_argument("--history-policy", choices=["reject", "strict", "warn"], default="reject",
                    help="what to do with tool-call turns that lost their thinking and that the server cannot "
-                        "restore from its own memory (DESIGN 3)")
+                        "restore from its own memory (docs/design.md §3)")
     p.add_argument("--thinking-store-mb", type=float, default=64,
                    help="memory for the thinking turns kept to restore for clients that drop them (0: off)")
     p.add_argument("--responses-db", default=None, metavar="PATH",

@@ -1,6 +1,6 @@
 """ModelConfig: the one configuration dataclass for every Horizon model.
 
-A config fixes the architecture (DESIGN.md section 1): the layer schedule of Kimi Delta Attention
+A config fixes the architecture (docs/design.md §1): the layer schedule of Kimi Delta Attention
 (KDA) and Gated DSA layers, their dimensions, the Mixture-of-Experts sizes, the vocabulary and the
 context window. It round-trips through an HF-style ``config.json`` (``model_type: "horizon"``) and
 rejects invalid values with a ``ValueError`` that names the field, the value and what is allowed.

@@ -26,12 +26,13 @@ import math
 import tempfile
 from typing import Any
 
-from horizon.agent import Agent, AgentConfig, fixed_policy
+from horizon.agent import Agent, AgentConfig, Terminal, fixed_policy
 from horizon.agent.local import EngineClient
 from horizon.agent.registry import make_tools
 from horizon.agent.tool import ToolError, check_arguments
-from horizon.tasks import get_domain, make_split
-from horizon.train.data import jsonl_rows
+from horizon.jsonl import jsonl_rows
+from horizon.model.dsa import GatedDSA
+from horizon.tasks import get_domain, make_split, task_fs
 
 DEFAULT_DOMAINS = ("arithmetic", "passkey-short", "terminal", "convert", "image")
 
@@ -64,17 +65,12 @@ def valid_call(call: dict[str, Any], tools: dict[str, Any]) -> bool:
 def task_tools(task, root: str) -> list:
     """The task's tools; the terminal domain's on the task's own file system (its reward reads the end state)."""
     if task.domain == "terminal":
-        from horizon.agent.simfs import Terminal
-        from horizon.tasks import task_fs
-
         return [Terminal(task_fs(task))]
     return make_tools(task.tools, root)
 
 
 def set_selection(model, selection: str) -> None:
     """"indexer" (the learned top-k) or "recent" (the index_topk most recent positions: the ablation)."""
-    from horizon.model.dsa import GatedDSA
-
     if selection not in ("indexer", "recent"):
         raise ValueError(f"selection={selection!r}: allowed indexer, recent")
     for m in model.modules():

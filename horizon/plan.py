@@ -9,7 +9,7 @@ numel, not formulas kept beside them.
   encoder, which runs once per image, not per token;
 - vision parameters: the image encoder's (part of the total);
 - MXFP4 weights: routed experts in MXFP4 (blocks of 32 values: 16 bytes of nibbles + 1 scale
-  byte = 4.25 bits per weight), everything else bf16 (DESIGN 2);
+  byte = 4.25 bits per weight), everything else bf16 (docs/design.md §2);
 - cache per token: the latent row and the indexer key of every DSA layer, in the model dtype;
 - KDA state per sequence: fp32 states plus the convolution tails, constant in the context; a prefix-cache
   snapshot is one such copy (the DSA rows it resumes are shared blocks, not copied), and a request may

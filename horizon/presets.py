@@ -7,7 +7,7 @@ counts the parameters from a meta-device model built from exactly this dictionar
 
 # Runs the whole test suite on 2 CPU cores in seconds. Six layers give two Gated DSA layers
 # (4 and 6) among four KDA layers; index_topk=16 is far below the test prompts so the sparse
-# selection is exercised; 8 index heads (DESIGN's floor); group-limited routing is on.
+# selection is exercised; 8 index heads (the floor in docs/design.md §1.2); group-limited routing is on.
 _TINY = dict(
     vocab_size=4096, hidden_size=64, num_layers=6, first_k_dense=1, intermediate_size=128,
     max_position_embeddings=8192,

@@ -17,7 +17,7 @@ from horizon.agent.calculator import Calculator, CalculatorError, evaluate
 from horizon.agent.files import ListFiles, ReadFile, SearchFiles, WriteFile
 from horizon.agent.registry import make_tools
 from horizon.agent.shell import Shell
-from horizon.agent.simfs import SimFS, Terminal, seeded_tree
+from horizon.simfs import SimFS, Terminal, seeded_tree
 
 # ---------------------------------------------------------------- calculator
 

@@ -26,7 +26,7 @@ def run(layer, x, **kw):
 
 
 def explicit_attention(layer: GatedDSA, x: torch.Tensor, allowed: torch.Tensor) -> torch.Tensor:
-    """DESIGN 1.2 written out for one sequence: expanded keys/values, softmax over `allowed` [T, T]."""
+    """docs/design.md §1.2 written out for one sequence: expanded keys/values, softmax over `allowed` [T, T]."""
     T = x.shape[0]
     with torch.no_grad():
         q_nope, q_pe, _, latent = layer.project(x, torch.arange(T))

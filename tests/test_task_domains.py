@@ -10,8 +10,8 @@ import re
 import pytest
 
 from horizon.agent.registry import make_tools
-from horizon.agent.simfs import SimFS, Terminal, seeded_tree
 from horizon.chat import ChatTemplate, load_tokenizer, validate_history
+from horizon.simfs import SimFS, Terminal, seeded_tree
 from horizon.tasks import (
     DOMAINS,
     ArithmeticDomain,

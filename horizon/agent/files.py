@@ -264,7 +264,7 @@ class WriteFile(_Rooted):
         return f"{verb} {self.rel(real)} ({len(data)} bytes written; file is now {size} bytes)"
 
 
-def _nested_quantifier(pattern: str) -> bool:
+def nested_quantifier(pattern: str) -> bool:
     """A cheap check for the classic catastrophic-backtracking shape: a repeated group that itself contains
     a repeat, like (a+)+ or (\\w*x)*. Python's re has no timeout, so such patterns are refused up front.
     It does not catch every exponential pattern (e.g. overlapping alternatives like (a|a)*)."""
@@ -330,7 +330,7 @@ class SearchFiles(_Rooted):
         if pattern == "":
             raise ToolError("pattern is empty")
         if use_regex:
-            if _nested_quantifier(pattern):
+            if nested_quantifier(pattern):
                 raise ToolError("pattern has a repeated group that contains a repeat (like (a+)+), which can take "
                                 "exponential time; rewrite it without the nested repeat")
             try:

@@ -2,7 +2,7 @@
 
 Each step sends the conversation so far with the tool definitions and that step's thinking tier
 and tool choice (a `Policy` decides both: e.g. low for routine steps, max for a hard one), appends
-the assistant turn exactly as returned (thinking, text, calls: the full-history rule, DESIGN 3),
+the assistant turn exactly as returned (thinking, text, calls: the full-history rule, docs/design.md §3),
 runs the calls in the order the model made them and appends their results, until the model answers
 without calling a tool, the step limit, or the token budget. Tool failures are results the model
 reads; an endpoint that refuses a request ends the run with the reason (never a traceback).

@@ -11,10 +11,13 @@ from __future__ import annotations
 from collections.abc import Callable
 from pathlib import Path
 
+from horizon.simfs.fs import SimFS  # the submodules, not horizon.simfs: see horizon/simfs/__init__.py
+from horizon.simfs.shell import Terminal
+from horizon.simfs.tree import seeded_tree
+
 from .calculator import Calculator
 from .files import ListFiles, ReadFile, SearchFiles, WriteFile
 from .shell import Shell
-from .simfs import SimFS, Terminal, seeded_tree
 from .tool import Tool
 
 TERMINAL_FILES = 20  # files in a seeded terminal tree

@@ -8,15 +8,15 @@ changes where the selection keeps everything:
   at identity). With no query latent (Kimi's MLA has none) the index queries read the layer's
   RMSNorm'd input. For a context of at most index_topk tokens the layer selects every visible
   position and runs exactly dense causal attention, so the indexer has no effect there; beyond
-  that it selects, and DESIGN 1.2's dense warm-up (a later step) teaches it what to keep.
+  that it selects, and docs/design.md §1.2's dense warm-up (a later step) teaches it what to keep.
 - the output gate sigmoid(gate_b(gate_a(x))) starts with gate_b = 0, i.e. a gate of exactly 0.5 on
   every channel, and `wo`'s weight is doubled to compensate: (0.5 o)(2 W)^T = o W^T exactly,
   since scaling by powers of two is exact in floating point. gate_a is random so the gate can learn.
 
 Default sizes (`default_indexer`), scaled to the model and documented with it: DeepSeek-V3.2's
 indexer (64 heads x 128) sits on a 7168-wide model; here index heads = clamp(num_heads, 8, 64)
-(DESIGN's floor of 8), head dim 128 from hidden 2048 up and 64 below (capped at hidden_size),
-index_topk 2048 (DESIGN's), no indexer RoPE (Horizon rotates nothing; the KDA layers carry
+(the floor of 8 in docs/design.md §1.2), head dim 128 from hidden 2048 up and 64 below (capped at hidden_size),
+index_topk 2048 (docs/design.md §1.2), no indexer RoPE (Horizon rotates nothing; the KDA layers carry
 position), gate rank = kda_head_dim (the rank of KDA's own low-rank output gate).
 
     model = horizon.load("kimi-linear/"); model = to_dsa(model); horizon.save(model, "out/")

@@ -1,4 +1,5 @@
-"""Gated DSA: DeepSeek Sparse Attention over a multi-head latent cache, with a sigmoid output gate (DESIGN 1.2).
+"""Gated DSA: DeepSeek Sparse Attention over a multi-head latent cache, with a sigmoid output gate
+(docs/design.md §1.2).
 
 MLA projections: c_q = RMSNorm(W_qa x), q = W_qb c_q (or q = W_q x without a query latent);
 c_kv = RMSNorm(W_kva x) with a decoupled key slice k_pe shared by all heads; W_kvb maps c_kv to
@@ -179,7 +180,7 @@ class GatedDSA(nn.Module):
         # the engine's sampled statistic: the share of dense attention mass the selection keeps
         self.measure_coverage = False
         self.last_coverage: float | None = None
-        # training the indexer (DESIGN 1.2), forwards without cache only: None | "dense" (warm-up: KL over
+        # training the indexer (docs/design.md §1.2), forwards without cache only: None | "dense" (warm-up: KL over
         # every visible position) | "sparse" (KL over the selected set); the loss lands in indexer_loss
         self.indexer_training: str | None = None
         self.force_dense = False  # attend densely whatever the indexer's topk (the warm-up stage)
@@ -325,7 +326,7 @@ class GatedDSA(nn.Module):
 
     def indexer_objective(self, x, c_q, q_nope, q_pe, rows, batch: Batch, q_pos, ctx_len,
                           selected: torch.Tensor | None) -> tuple[torch.Tensor, dict[str, float]]:
-        """The indexer's training loss (DESIGN 1.2) and its recall statistics, for a forward without cache.
+        """The indexer's training loss (docs/design.md §1.2) and its recall statistics, for a forward without cache.
 
         Target: the dense attention distribution summed over heads (renormalised), detached. The
         indexer sees detached inputs, so this loss trains the indexer alone. selected=None (warm-up):

@@ -1,4 +1,4 @@
-"""Kimi Delta Attention (KDA): delta-rule linear attention with channel-wise decay (DESIGN 1.1).
+"""Kimi Delta Attention (KDA): delta-rule linear attention with channel-wise decay (docs/design.md §1.1).
 
 Per head the state S is a d_k x d_v matrix (fp32). For token t:
 

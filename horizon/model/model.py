@@ -1,4 +1,4 @@
-"""HorizonForCausalLM: the decoder stack (DESIGN 1).
+"""HorizonForCausalLM: the decoder stack (docs/design.md §1).
 
     h = embed(tokens)
     for each block:  h += Attn(RMSNorm(h));  h += FFN(RMSNorm(h))

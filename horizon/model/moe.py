@@ -1,4 +1,4 @@
-"""DeepSeek-V3-style Mixture of Experts with auxiliary-loss-free balancing (DESIGN 1.3).
+"""DeepSeek-V3-style Mixture of Experts with auxiliary-loss-free balancing (docs/design.md §1.3).
 
 Router: s = sigmoid(x W_r) in fp32; experts are chosen by top-k of s + b, where b is a per-expert
 bias that is not a gradient parameter; optionally only inside the best `topk_group` of `n_group`

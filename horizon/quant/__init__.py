@@ -1,4 +1,5 @@
-"""Quantised weights: the MXFP4 format (`horizon.quant.mxfp4`) and the modules that compute from it (DESIGN 2)."""
+"""Quantised weights: the MXFP4 format (`horizon.quant.mxfp4`) and the modules that compute from it
+(docs/design.md §2)."""
 
 from horizon.quant.layers import (
     ATTENTION_PROJECTIONS,

@@ -10,7 +10,7 @@
   the attention projections in `ATTENTION_PROJECTIONS`); `empty_quantized_model(model)` swaps in
   zero-filled modules of the right shapes (also on the meta device) for a checkpoint loader to fill.
 
-Never quantised (DESIGN 2): embeddings, norms, the router, every gate, the LM head (and the vision
+Never quantised (docs/design.md §2): embeddings, norms, the router, every gate, the LM head (and the vision
 encoder, which runs once per image).
 """
 

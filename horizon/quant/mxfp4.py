@@ -1,4 +1,4 @@
-"""MXFP4 (OCP Microscaling v1.0): the storage format of Horizon's quantised weights (DESIGN 2).
+"""MXFP4 (OCP Microscaling v1.0): the storage format of Horizon's quantised weights (docs/design.md §2).
 
 Blocks of 32 consecutive elements along the last (input) dimension share one E8M0 scale; each element
 is FP4 E2M1 (sign in bit 3, magnitudes 0, 0.5, 1, 1.5, 2, 3, 4, 6). Stored as in the public gpt-oss

@@ -48,7 +48,7 @@ import re
 from collections.abc import Callable
 from typing import Any
 
-from horizon.agent.simfs import SimFS, Terminal, seeded_tree
+from horizon.simfs import SimFS, Terminal, seeded_tree
 from horizon.tasks.base import Domain, Task, assistant_message, first_int, tool_call, tool_message
 
 HELDOUT_MOD = 5

@@ -16,7 +16,6 @@ placeholders each takes comes from the model's vision config.
 from __future__ import annotations
 
 import functools
-import json
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -25,6 +24,7 @@ import torch
 
 from horizon.chat.images import decode_conversation, render_with_images
 from horizon.config import ModelConfig
+from horizon.jsonl import jsonl_rows
 from horizon.model.vision import num_image_tokens
 
 
@@ -69,18 +69,6 @@ def task_example(tokenizer, cfg: ModelConfig, task, tier: str = "low") -> Exampl
     thinks = any(m.get("role") == "assistant" and m.get("reasoning_content") is not None for m in task.target)
     return render_chat(tokenizer, cfg, task.chat(), tool_specs(task.tools),
                        tier if thinks else None, source=task.domain)
-
-
-def jsonl_rows(path: str | Path):
-    """(line number, parsed value) for each non-blank line of a JSONL file; ValueError naming the line
-    for one that is not JSON."""
-    with open(path, encoding="utf-8") as f:
-        for n, line in enumerate(f, 1):
-            if line.strip():
-                try:
-                    yield n, json.loads(line)
-                except ValueError as e:  # json.JSONDecodeError is a ValueError
-                    raise ValueError(f"{path}:{n}: not JSON ({e})") from None
 
 
 def read_jsonl(path: str | Path, tokenizer, cfg: ModelConfig) -> list[Example]:

@@ -43,9 +43,14 @@ from typing import Any
 import torch
 import torch.nn.functional as F
 
+from horizon.agent import Agent, AgentConfig, fixed_policy
+from horizon.agent.local import EngineClient
 from horizon.chat.images import decode_conversation, image_parts
-from horizon.train.data import Example, collate
-from horizon.train.trainer import TrainConfig, Trainer
+from horizon.checkpoint import open_model
+from horizon.eval import reward_of, run_lockstep, task_tools
+from horizon.tasks import get_domain
+from horizon.train.data import Example, collate, task_example
+from horizon.train.trainer import TrainConfig, Trainer, set_stage
 
 
 class RewardNormalizer:
@@ -181,9 +186,6 @@ class RLTrainer(Trainer):
                  init: str | None = None):
         """init: the checkpoint the run started from ("bundled" or a folder), recorded in its state: the KL's
         anchor is a copy of `model` now, and restore() reloads it from there, not from the resumed weights."""
-        from horizon.agent.local import EngineClient
-        from horizon.tasks import get_domain
-
         rl.validate()
         self.rl = rl
         self.domains = {name: get_domain(name) for name in rl.domains}
@@ -204,8 +206,6 @@ class RLTrainer(Trainer):
         self.init = init
         self.reference = None
         if rl.kl_coef > 0:
-            from horizon.train.trainer import set_stage
-
             self.reference = copy.deepcopy(model).eval()
             set_stage(self.reference, "sft")  # no indexer losses in the reference's forwards
             for p in self.reference.parameters():
@@ -219,9 +219,6 @@ class RLTrainer(Trainer):
 
     def rollouts(self) -> list[dict[str, Any]]:
         """prompts_per_step tasks x group_size episodes, run in lockstep; one record per episode."""
-        from horizon.agent import Agent, AgentConfig, fixed_policy
-        from horizon.eval import reward_of, run_lockstep, task_tools
-
         rl = self.rl
         picks = torch.multinomial(self._domain_weights(), rl.prompts_per_step, replacement=True,
                                   generator=self.generator).tolist()
@@ -260,8 +257,6 @@ class RLTrainer(Trainer):
         """The reference member of `first`'s group: the task's reference trajectory, rendered as supervised
         training renders it under the group's first tier, scored 1.0 (every domain's generator builds its
         reference to solve the task), its thinking charged like a rollout's."""
-        from horizon.train.data import task_example
-
         task, tier = first["task"], first["tier"]
         example = task_example(self.tokenizer, self.model.config, task, tier)
         thinking = sum(len(self.tokenizer.encode(m["reasoning_content"])) for m in task.target
@@ -388,8 +383,6 @@ class RLTrainer(Trainer):
                 print("horizon rl: warning: the run's state does not record the checkpoint it started from; the "
                       "KL penalty is measured to the resumed weights from here on", file=sys.stderr)
             else:
-                from horizon.checkpoint import open_model
-
                 self.reference.load_state_dict(open_model(self.init, dtype=torch.float32).model.state_dict())
 
     log_name, plot_name = "rl_log.jsonl", "rl_curves.png"

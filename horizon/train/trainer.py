@@ -5,7 +5,7 @@ One step: sample a batch from the `Mixture`, forward (optionally under bf16 auto
 the vision encoder, which trains too), cross-entropy on the assistant tokens only, backward, clip the
 gradient norm, AdamW at the step's learning rate (linear warm-up, then cosine down to
 `min_lr_ratio` of the peak), then the MoE's auxiliary-loss-free bias update from the step's expert
-loads (DESIGN 1.3).
+loads (docs/design.md §1.3).
 
 A checkpoint folder (`<out>/checkpoint`) is a normal Horizon checkpoint (config, weights,
 tokenizer) plus `trainer_state/state.safetensors` (AdamW moments by parameter name, the torch RNG
@@ -22,6 +22,7 @@ from __future__ import annotations
 
 import json
 import math
+import shutil
 import sys
 import time
 from dataclasses import asdict, dataclass, fields
@@ -32,6 +33,10 @@ import torch
 import torch.nn.functional as F
 from safetensors.torch import load_file, save_file
 
+from horizon.checkpoint import save
+from horizon.engine import Engine, EngineConfig
+from horizon.eval import evaluate
+from horizon.model.dsa import GatedDSA
 from horizon.model.moe import balance_moe_bias
 from horizon.train.data import Mixture, collate
 
@@ -94,7 +99,7 @@ class TrainConfig:
 
 
 def set_stage(model, stage: str) -> list:
-    """Put the model in a training stage (DESIGN 1.2); returns its Gated DSA layers.
+    """Put the model in a training stage (docs/design.md §1.2); returns its Gated DSA layers.
 
     sft: everything trains, attention as configured (sparse past index_topk).
     dense: everything trains, attention dense at every length (the dense base model that the indexer
@@ -105,8 +110,6 @@ def set_stage(model, stage: str) -> list:
     sparse: top-k selection on; the model trains on the LM loss, the indexers on the KL over what they
     selected.
     """
-    from horizon.model.dsa import GatedDSA
-
     dsa = [m for m in model.modules() if isinstance(m, GatedDSA) and m.indexer is not None]
     if stage in INDEXER_STAGES and not dsa:
         raise ValueError(f"stage {stage!r} trains the DSA indexers, but this model has none")
@@ -260,8 +263,6 @@ class Trainer:
     def eval_engine(self):
         """The engine validation decodes with (the RL trainer has its own: the one that rolls out)."""
         if self._engine is None:
-            from horizon.engine import Engine, EngineConfig
-
             self._engine = Engine(self.model, self.tokenizer, EngineConfig(max_num_seqs=16, max_batch_tokens=2048),
                                   generation_config=self.generation_config)
         return self._engine
@@ -274,8 +275,6 @@ class Trainer:
         """Greedy held-out accuracy (Wilson 95% interval) and thinking tokens per domain, as `horizon eval`
         measures them, on config.eval_n tasks from config.eval_seed; appended to self.heldout, written to
         heldout.jsonl and plotted. Its time counts toward max_minutes: it is part of the run's compute."""
-        from horizon.eval import evaluate
-
         cfg = self.config
         domains = self.heldout_domains()
         if not domains:
@@ -314,8 +313,6 @@ class Trainer:
 
     def save(self) -> Path:
         """Weights (a loadable Horizon checkpoint) + optimiser, RNG and sampler state, atomically replaced."""
-        from horizon.checkpoint import save
-
         final, tmp = self.checkpoint_dir, self.out / "checkpoint.tmp"
         if tmp.exists():
             _rmtree(tmp)
@@ -406,6 +403,4 @@ def config_from_dict(d: dict[str, Any]) -> TrainConfig:
 
 
 def _rmtree(path: Path) -> None:
-    import shutil
-
     shutil.rmtree(path)

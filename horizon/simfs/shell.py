@@ -1,9 +1,4 @@
-"""A simulated file system and a shell-like `terminal` tool over it, for the terminal task domain.
-
-`SimFS` is an in-memory tree (a directory is a dict of name -> node, a file is its text) with a current
-directory. It is deterministic: listings are sorted, nothing reads the clock or the real disk. Training code
-builds one with `SimFS.from_dict({path: content})` (or from `seeded_tree(seed, n_files)`), lets the model
-work through `Terminal`, and checks the end state with `to_dict()` / `snapshot()` / `==`.
+"""The `terminal` tool: a shell-like lexer and interpreter over a `SimFS`, as an agent `Tool`.
 
 The command language (`Terminal`), quoted like a POSIX shell (single quotes, double quotes, backslashes):
 
@@ -23,223 +18,22 @@ Errors: a failing command prints a bash-like message (`cat: x.txt: No such file 
 output would be, and the line goes on by bash's rules for `;`, `&&` and `||`; the tool's result is an
 error result when the last command that ran failed (bash's `$?`). A failing stage ends its pipeline.
 grep finding nothing is not a failure here (empty output), unlike grep's exit status 1.
+
+It is kept apart from the file system (`horizon.simfs.fs`) because it is the one part that speaks the
+agent's tool interface (`horizon.agent.tool`) and holds all the command-line parsing.
 """
 
 from __future__ import annotations
 
 import copy
 import fnmatch
-import json
-import random
 import re
-from collections.abc import Callable, Iterator, Mapping
+from collections.abc import Callable
 from typing import Any
 
-from .files import _nested_quantifier
-from .tool import Tool, ToolError
-
-Node = dict[str, Any] | str  # a directory (name -> Node) or a file's text
-
-MAX_NODES = 100_000  # cp refuses to grow the tree past this (cp -r doubling a tree is otherwise unbounded)
-
-
-class SimFSError(Exception):
-    """A failed operation, with a bash-like message for the model."""
-
-
-class SimFS:
-    def __init__(self) -> None:
-        self.tree: dict[str, Any] = {}
-        self.cwd: tuple[str, ...] = ()
-
-    # ---- building and comparing ----
-
-    @classmethod
-    def from_dict(cls, files: Mapping[str, str | None]) -> SimFS:
-        """`{"src/a.py": "text", "empty/": None}`: a key ending in '/' (or a None value) is a directory.
-        Leading '/' is optional; parents are created."""
-        fs = cls()
-        for path, content in sorted(files.items()):
-            if path.endswith("/") or content is None:
-                fs.mkdir("/" + path.strip("/"), parents=True, exist_ok=True)
-            else:
-                fs.write("/" + path.lstrip("/"), content, parents=True)
-        return fs
-
-    def to_dict(self) -> dict[str, str | None]:
-        """Every file as `path: text` and every empty directory as `path/: None` (paths relative to the root,
-        sorted); `from_dict(fs.to_dict()) == fs`."""
-        out: dict[str, str | None] = {}
-
-        def visit(node: dict[str, Any], prefix: str) -> None:
-            for name in sorted(node):
-                child = node[name]
-                if isinstance(child, dict):
-                    if child:
-                        visit(child, prefix + name + "/")
-                    else:
-                        out[prefix + name + "/"] = None
-                else:
-                    out[prefix + name] = child
-
-        visit(self.tree, "")
-        return out
-
-    def snapshot(self) -> tuple[tuple[str, str | None], ...]:
-        """A hashable image of the tree (not the cwd), equal for equal trees."""
-        return tuple(self.to_dict().items())
-
-    def copy(self) -> SimFS:
-        fs = SimFS()
-        fs.tree = copy.deepcopy(self.tree)
-        fs.cwd = self.cwd
-        return fs
-
-    def __eq__(self, other: object) -> bool:  # the trees, not the cwd
-        return isinstance(other, SimFS) and self.tree == other.tree
-
-    __hash__ = None  # type: ignore[assignment]  # mutable
-
-    def __repr__(self) -> str:
-        return f"SimFS({len(self.to_dict())} entries, cwd={self.pwd()!r})"
-
-    # ---- paths ----
-
-    def parts(self, path: str) -> tuple[str, ...]:
-        """The normalized absolute components of `path` (relative paths start at the cwd; '..' at the root
-        stays at the root, as in Unix)."""
-        out = [] if path.startswith("/") else list(self.cwd)
-        for p in path.split("/"):
-            if p in ("", "."):
-                continue
-            if p == "..":
-                if out:
-                    out.pop()
-            else:
-                out.append(p)
-        return tuple(out)
-
-    def abspath(self, path: str) -> str:
-        return "/" + "/".join(self.parts(path))
-
-    def pwd(self) -> str:
-        return "/" + "/".join(self.cwd)
-
-    def _node(self, parts: tuple[str, ...]) -> Node | None:
-        node: Node = self.tree
-        for p in parts:
-            if not isinstance(node, dict) or p not in node:
-                return None
-            node = node[p]
-        return node
-
-    def _parent(self, parts: tuple[str, ...], path: str, cmd: str = "") -> dict[str, Any]:
-        if not parts:
-            raise SimFSError(f"{cmd}{path}: is the root directory")
-        parent = self._node(parts[:-1])
-        if parent is None:
-            raise SimFSError(f"{cmd}{path}: No such file or directory")
-        if not isinstance(parent, dict):
-            raise SimFSError(f"{cmd}{path}: Not a directory")
-        return parent
-
-    def exists(self, path: str) -> bool:
-        return self._node(self.parts(path)) is not None
-
-    def is_dir(self, path: str) -> bool:
-        return isinstance(self._node(self.parts(path)), dict)
-
-    def is_file(self, path: str) -> bool:
-        return isinstance(self._node(self.parts(path)), str)
-
-    # ---- operations (messages are prefixed by the caller's command name when given) ----
-
-    def read(self, path: str, cmd: str = "") -> str:
-        node = self._node(self.parts(path))
-        if node is None:
-            raise SimFSError(f"{cmd}{path}: No such file or directory")
-        if isinstance(node, dict):
-            raise SimFSError(f"{cmd}{path}: Is a directory")
-        return node
-
-    def write(self, path: str, content: str, *, append: bool = False, parents: bool = True, cmd: str = "") -> None:
-        """Create or replace (or append to) a file; `parents` creates missing directories (the shell commands
-        pass False, as a real shell would fail)."""
-        parts = self.parts(path)
-        if parents and len(parts) > 1:
-            self.mkdir("/" + "/".join(parts[:-1]), parents=True, exist_ok=True, cmd=cmd)
-        parent = self._parent(parts, path, cmd)
-        old = parent.get(parts[-1])
-        if isinstance(old, dict):
-            raise SimFSError(f"{cmd}{path}: Is a directory")
-        parent[parts[-1]] = (old or "") + content if append else content
-
-    def mkdir(self, path: str, *, parents: bool = False, exist_ok: bool = False, cmd: str = "") -> None:
-        parts = self.parts(path)
-        node: dict[str, Any] = self.tree
-        for i, p in enumerate(parts):
-            last = i == len(parts) - 1
-            child = node.get(p)
-            if child is None:
-                if not (parents or last):
-                    raise SimFSError(f"{cmd}cannot create directory '{path}': No such file or directory")
-                child = node[p] = {}
-            elif not isinstance(child, dict):
-                raise SimFSError(f"{cmd}cannot create directory '{path}': "
-                                 + ("File exists" if last else "Not a directory"))
-            elif last and not (exist_ok or parents):
-                raise SimFSError(f"{cmd}cannot create directory '{path}': File exists")
-            node = child
-
-    def remove(self, path: str, *, recursive: bool = False, cmd: str = "") -> None:
-        parts = self.parts(path)
-        if not parts:
-            raise SimFSError(f"{cmd}refusing to remove '/'")
-        node = self._node(parts)
-        if node is None:
-            raise SimFSError(f"{cmd}cannot remove '{path}': No such file or directory")
-        if isinstance(node, dict) and not recursive:
-            raise SimFSError(f"{cmd}cannot remove '{path}': Is a directory")
-        del self._parent(parts, path, cmd)[parts[-1]]
-        if self.cwd[: len(parts)] == parts:  # removed the cwd or one of its parents: fall back to what remains
-            self.cwd = parts[:-1]
-
-    def listdir(self, path: str = ".") -> list[str]:
-        node = self._node(self.parts(path))
-        if not isinstance(node, dict):
-            raise SimFSError(f"{path}: Not a directory" if node is not None else f"{path}: No such file or directory")
-        return sorted(node)
-
-    def cd(self, path: str) -> None:
-        parts = self.parts(path)
-        node = self._node(parts)
-        if node is None:
-            raise SimFSError(f"cd: {path}: No such file or directory")
-        if not isinstance(node, dict):
-            raise SimFSError(f"cd: {path}: Not a directory")
-        self.cwd = parts
-
-    def walk(self, path: str = ".") -> Iterator[tuple[str, bool]]:
-        """(absolute path, is_dir) for `path` and everything under it, pre-order, sorted."""
-        parts = self.parts(path)
-        node = self._node(parts)
-        if node is None:
-            raise SimFSError(f"{path}: No such file or directory")
-
-        def visit(n: Node, p: str) -> Iterator[tuple[str, bool]]:
-            yield p or "/", isinstance(n, dict)
-            if isinstance(n, dict):
-                for name in sorted(n):
-                    yield from visit(n[name], p + "/" + name)
-
-        yield from visit(node, "/" + "/".join(parts) if parts else "")
-
-    def count_nodes(self) -> int:
-        def count(n: Node) -> int:
-            return 1 + (sum(count(c) for c in n.values()) if isinstance(n, dict) else 0)
-
-        return count(self.tree)
-
+from horizon.agent.files import nested_quantifier
+from horizon.agent.tool import Tool, ToolError
+from horizon.simfs.fs import MAX_NODES, Node, SimFS, SimFSError
 
 # ---- command line parsing ----
 
@@ -653,7 +447,7 @@ class Terminal(Tool):
         source = re.escape(pattern) if "F" in flags else pattern
         if "w" in flags:
             source = rf"\b(?:{source})\b"
-        if "F" not in flags and _nested_quantifier(pattern):
+        if "F" not in flags and nested_quantifier(pattern):
             raise SimFSError("grep: pattern has a repeated group containing a repeat (like (a+)+), which can take "
                              "exponential time; rewrite it")
         try:
@@ -869,116 +663,3 @@ class Terminal(Tool):
         if "c" in flags:
             return "".join(f"{c:>7} {ln}\n" for ln, c in groups)
         return "".join(ln + "\n" for ln, _ in groups)
-
-
-# ---- deterministic project-like trees for task generators ----
-
-_WORDS = ["alpha", "beta", "cache", "client", "config", "data", "engine", "event", "handler", "index", "loader",
-          "metrics", "model", "parser", "queue", "report", "router", "schema", "server", "session", "store",
-          "stream", "task", "token", "user", "utils", "worker"]
-_SERVICES = ["api", "auth", "billing", "db", "gateway", "scheduler", "search", "web"]
-_MESSAGES = {
-    "INFO": ["request completed in {n} ms", "started worker {n}", "cache hit ratio {n}%", "user {n} logged in",
-             "loaded {n} records", "health check ok"],
-    "DEBUG": ["retrying connection (attempt {n})", "queue depth {n}", "flushed {n} bytes"],
-    "WARN": ["slow query took {n} ms", "disk usage at {n}%", "deprecated endpoint called {n} times"],
-    "ERROR": ["connection refused on port {n}", "timeout after {n} s", "failed to parse record {n}",
-              "out of memory in worker {n}"],
-}
-_TOPICS = ["meeting", "roadmap", "design", "ideas", "todo", "release", "incident", "onboarding"]
-
-
-def _py_module(rng: random.Random, name: str) -> str:
-    out = [f'"""The {name} module."""\n', "\n"]
-    if rng.random() < 0.5:
-        out += [f"import {rng.choice(['os', 'json', 're', 'math', 'time'])}\n", "\n"]
-    for _ in range(rng.randint(1, 4)):
-        fn = f"{rng.choice(['get', 'load', 'parse', 'build', 'check', 'update'])}_{rng.choice(_WORDS)}"
-        arg = rng.choice(["value", "items", "path", "count", "key"])
-        out.append(f"\ndef {fn}({arg}):\n")
-        if rng.random() < 0.3:
-            out.append(f"    # TODO: handle empty {arg}\n")
-        if rng.random() < 0.15:
-            out.append("    # FIXME: this is slow\n")
-        out.append(f"    return {arg}{rng.choice([' * 2', ' + 1', '', '[:10]'])}\n")
-    return "".join(out)
-
-
-def _log(rng: random.Random) -> str:
-    day, secs = rng.randint(1, 28), rng.randint(0, 40000)
-    lines = []
-    for _ in range(rng.randint(5, 40)):
-        secs += rng.randint(1, 600)
-        level = rng.choices(["INFO", "DEBUG", "WARN", "ERROR"], weights=[60, 20, 12, 8])[0]
-        msg = rng.choice(_MESSAGES[level]).format(n=rng.randint(1, 9999))
-        h, m, s = secs // 3600 % 24, secs // 60 % 60, secs % 60
-        lines.append(f"2024-03-{day:02d} {h:02d}:{m:02d}:{s:02d} {level} {rng.choice(_SERVICES)}: {msg}\n")
-    return "".join(lines)
-
-
-def _csv(rng: random.Random) -> str:
-    cols = rng.sample(["id", "name", "price", "qty", "city", "score", "status"], k=rng.randint(2, 5))
-    rows = [",".join(cols) + "\n"]
-    for i in range(rng.randint(3, 20)):
-        vals = []
-        for c in cols:
-            if c == "id":
-                vals.append(str(i + 1))
-            elif c in ("price", "score"):
-                vals.append(f"{rng.uniform(0, 100):.2f}")
-            elif c == "qty":
-                vals.append(str(rng.randint(0, 50)))
-            elif c == "status":
-                vals.append(rng.choice(["ok", "pending", "failed"]))
-            else:
-                vals.append(rng.choice(["Oslo", "Lima", "Pune", "Kyiv", "Accra", "Quito", "ann", "bob", "chen"]))
-        rows.append(",".join(vals) + "\n")
-    return "".join(rows)
-
-
-def _note(rng: random.Random, topic: str) -> str:
-    out = [f"# {topic.capitalize()} notes\n", "\n"]
-    for _ in range(rng.randint(2, 8)):
-        mark = rng.choice(["- ", "- [ ] ", "- [x] ", "- TODO: "])
-        out.append(f"{mark}{rng.choice(_WORDS)} {rng.choice(['needs review', 'is done', 'ask ann', 'move to v2'])}\n")
-    return "".join(out)
-
-
-def seeded_tree(seed: int, n_files: int = 20) -> dict[str, str]:
-    """A plausible small project as `{path: text}` (exactly n_files files), the same for the same seed:
-    README.md, src/<pkg>/*.py, tests/, logs/*.log, data/*.csv, notes/*.md, config/*.json, a .gitignore."""
-    if n_files < 1:
-        raise ValueError("n_files must be at least 1")
-    rng = random.Random(seed)
-    pkg = rng.choice(_WORDS)
-    files: dict[str, str] = {"README.md": f"# {pkg}\n\nA small {rng.choice(_WORDS)} service.\n"
-                                          f"Run `python -m {pkg}` to start.\n"}
-    kinds = ["py", "py", "test", "log", "log", "csv", "note", "config", "hidden"]
-    attempts = 0
-    while len(files) < n_files:
-        attempts += 1
-        kind = rng.choice(kinds)
-        word = rng.choice(_WORDS)
-        suffix = "" if attempts < 4 * n_files else str(attempts)  # unique names even for large n_files
-        if kind == "py":
-            path, text = f"src/{pkg}/{word}{suffix}.py", _py_module(rng, word)
-        elif kind == "test":
-            path = f"tests/test_{word}{suffix}.py"
-            a, b = rng.randint(0, 9), rng.randint(0, 9)
-            text = f"from {pkg}.{word} import *\n\n\ndef test_{word}():\n    assert {a} == {b}\n"
-        elif kind == "log":
-            path, text = f"logs/{rng.choice(_SERVICES)}-2024-03-{rng.randint(1, 28):02d}{suffix}.log", _log(rng)
-        elif kind == "csv":
-            path, text = f"data/{word}{suffix}.csv", _csv(rng)
-        elif kind == "note":
-            topic = rng.choice(_TOPICS)
-            path, text = f"notes/{topic}{suffix}.md", _note(rng, topic)
-        elif kind == "config":
-            cfg = {"name": word, "port": rng.randint(1024, 9999), "debug": rng.random() < 0.3,
-                   "workers": rng.randint(1, 16)}
-            path, text = f"config/{word}{suffix}.json", json.dumps(cfg, indent=2) + "\n"
-        else:
-            path, text = f".gitignore{suffix}", "__pycache__/\n*.log\n.env\n"
-        if path not in files:
-            files[path] = text
-    return dict(sorted(files.items()))
