@@ -28,7 +28,7 @@ import re
 import stat
 from typing import Any
 
-from .tool import Tool, ToolError
+from .tool import Tool, ToolError, nested_quantifier
 
 MAX_FILE_BYTES = 16 * 1024 * 1024  # read_file refuses larger files; search_files skips them
 MAX_READ_CHARS = 256_000  # per read_file call
@@ -262,46 +262,6 @@ class WriteFile(_Rooted):
             raise ToolError(f"cannot write {path!r}: {e.strerror}") from None
         verb = "appended" if append and existed else ("overwrote" if existed else "created")
         return f"{verb} {self.rel(real)} ({len(data)} bytes written; file is now {size} bytes)"
-
-
-def nested_quantifier(pattern: str) -> bool:
-    """A cheap check for the classic catastrophic-backtracking shape: a repeated group that itself contains
-    a repeat, like (a+)+ or (\\w*x)*. Python's re has no timeout, so such patterns are refused up front.
-    It does not catch every exponential pattern (e.g. overlapping alternatives like (a|a)*)."""
-    stack: list[bool] = []  # per open group: does it contain a quantifier?
-    i, n = 0, len(pattern)
-    closed_had_repeat = False  # the token just before i was a group containing a repeat
-    while i < n:
-        c = pattern[i]
-        quant = c in "*+" or (c == "{" and re.match(r"\{\d*,?\d*\}", pattern[i:]) is not None)
-        if quant:
-            if closed_had_repeat:
-                return True
-            if stack:
-                stack[-1] = True
-        closed_had_repeat = False
-        if c == "\\":
-            i += 2
-            continue
-        if c == "[":  # skip a character class: quantifier characters inside it are literal
-            j = i + 1
-            if j < n and pattern[j] == "^":
-                j += 1
-            if j < n and pattern[j] == "]":
-                j += 1
-            while j < n and pattern[j] != "]":
-                j += 2 if pattern[j] == "\\" else 1
-            i = j + 1
-            continue
-        if c == "(":
-            stack.append(False)
-        elif c == ")" and stack:
-            had = stack.pop()
-            closed_had_repeat = had
-            if had and stack:
-                stack[-1] = True
-        i += 1
-    return False
 
 
 class SearchFiles(_Rooted):

@@ -9,6 +9,7 @@ allowed, the way the APIs' `tool_result.is_error` / OpenAI tool messages carry t
 from __future__ import annotations
 
 import json
+import re
 from dataclasses import dataclass
 from typing import Any
 
@@ -85,3 +86,43 @@ def check_arguments(schema: dict[str, Any], arguments: dict[str, Any]) -> None:
             raise ToolError(f"argument {key!r} must be of type {p['type']}, got {json.dumps(value)[:80]}")
         if "enum" in p and value not in p["enum"]:
             raise ToolError(f"argument {key!r} must be one of {p['enum']}, got {json.dumps(value)[:80]}")
+
+
+def nested_quantifier(pattern: str) -> bool:
+    """A cheap check for the classic catastrophic-backtracking shape: a repeated group that itself contains
+    a repeat, like (a+)+ or (\\w*x)*. Python's re has no timeout, so such patterns are refused up front.
+    It does not catch every exponential pattern (e.g. overlapping alternatives like (a|a)*)."""
+    stack: list[bool] = []  # per open group: does it contain a quantifier?
+    i, n = 0, len(pattern)
+    closed_had_repeat = False  # the token just before i was a group containing a repeat
+    while i < n:
+        c = pattern[i]
+        quant = c in "*+" or (c == "{" and re.match(r"\{\d*,?\d*\}", pattern[i:]) is not None)
+        if quant:
+            if closed_had_repeat:
+                return True
+            if stack:
+                stack[-1] = True
+        closed_had_repeat = False
+        if c == "\\":
+            i += 2
+            continue
+        if c == "[":  # skip a character class: quantifier characters inside it are literal
+            j = i + 1
+            if j < n and pattern[j] == "^":
+                j += 1
+            if j < n and pattern[j] == "]":
+                j += 1
+            while j < n and pattern[j] != "]":
+                j += 2 if pattern[j] == "\\" else 1
+            i = j + 1
+            continue
+        if c == "(":
+            stack.append(False)
+        elif c == ")" and stack:
+            had = stack.pop()
+            closed_had_repeat = had
+            if had and stack:
+                stack[-1] = True
+        i += 1
+    return False

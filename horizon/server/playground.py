@@ -45,7 +45,7 @@ from horizon.agent.local import ServingClient
 from horizon.agent.registry import make_tools
 from horizon.server.http import ParsedBody
 
-CSP = "default-src 'self'; img-src 'self' data:; object-src 'none'; base-uri 'none'; frame-ancestors 'none'"
+CSP = "default-src 'self'; object-src 'none'; base-uri 'none'; frame-ancestors 'none'"
 STATIC = {"app.js": "text/javascript", "style.css": "text/css"}
 MAX_RUNS = 4  # playground runs at once (each holds a thread while its tools and steps run)
 

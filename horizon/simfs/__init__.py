@@ -5,7 +5,7 @@
     horizon.simfs.tree   seeded_tree(seed, n_files), deterministic project-like trees for task generators
 
 Nothing here touches the real disk or the clock. From the rest of Horizon it needs only the agent's tool
-interface (`horizon.agent.tool`, and a regex check from `horizon.agent.files`).
+interface (`horizon.agent.tool`).
 """
 
 # Import order matters: `horizon.agent` (its __init__ and registry) imports Terminal from

@@ -31,8 +31,7 @@ import re
 from collections.abc import Callable
 from typing import Any
 
-from horizon.agent.files import nested_quantifier
-from horizon.agent.tool import Tool, ToolError
+from horizon.agent.tool import Tool, ToolError, nested_quantifier
 from horizon.simfs.fs import MAX_NODES, Node, SimFS, SimFSError
 
 # ---- command line parsing ----
