@@ -65,6 +65,38 @@ def test_a_poisoned_request_fails_alone_and_the_others_keep_their_outputs(server
     assert server.engine.metrics()["running"] == 0 and not server.engine.sequences  # nothing leaked
 
 
+def test_an_image_the_encoder_fails_on_ends_only_its_request(server, monkeypatch):
+    import base64
+    import io
+
+    from PIL import Image
+
+    def data_url(width: int) -> str:
+        buf = io.BytesIO()
+        Image.new("RGB", (width, 32), (10, 200, 30)).save(buf, "PNG")
+        return "data:image/png;base64," + base64.b64encode(buf.getvalue()).decode()
+
+    encode = server.engine.model.vision.encode
+
+    def picky(img):
+        if img.shape[1] == 40:
+            raise RuntimeError("injected encoder failure")
+        return encode(img)
+
+    monkeypatch.setattr(server.engine.model.vision, "encode", picky)
+    parts = [{"type": "text", "text": "what is this?"}]
+    alone = chat(server.url, parts + [{"type": "image_url", "image_url": {"url": data_url(32)}}]).json()
+    with ThreadPoolExecutor(4) as pool:
+        bad = pool.submit(chat, server.url, parts + [{"type": "image_url", "image_url": {"url": data_url(40)}}])
+        good = [pool.submit(chat, server.url, parts + [{"type": "image_url", "image_url": {"url": data_url(32)}}])
+                for _ in range(2)]
+        bad, good = bad.result(), [f.result() for f in good]
+    assert bad.status_code == 500 and "encoding an image failed" in bad.json()["error"]["message"]
+    for r in good:
+        assert r.json()["choices"][0]["message"]["content"] == alone["choices"][0]["message"]["content"]
+    assert not server.engine.sequences
+
+
 # --- the event loop stays free ---------------------------------------------------------------------------------
 def _poll_health_while(url: str, work) -> tuple[list[int], int, object]:
     """Run work() in a thread; poll /health until it returns. (health statuses, health answers completed

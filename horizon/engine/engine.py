@@ -291,11 +291,13 @@ class Engine:
                                        f"({self.cache.num_blocks} blocks of {self.cache.block_size} tokens)")
         if not plan:
             return False
+        plan, mask, embeds = self._image_inputs(plan)
+        if not plan:
+            return True  # every sequence of this step failed on its images
         tokens = torch.tensor([t for seq, n in plan for t in seq.tokens[seq.num_cached: seq.num_cached + n]],
                               device=self.device)
         batch = Batch.build([n for _, n in plan], start=[seq.num_cached for seq, _ in plan],
                             slots=[seq.slot for seq, _ in plan], device=self.device)
-        mask, embeds = self._image_inputs(plan)
         probe = self._coverage_probe(batch)
         logits = self.model.forward_batch(tokens, batch, self.cache, last_only=True, image_embeds=embeds,
                                           image_mask=mask)
@@ -386,25 +388,32 @@ class Engine:
             self._thinking_masks[vocab] = mask
         return mask
 
-    def _image_inputs(self, plan) -> tuple[torch.Tensor | None, torch.Tensor | None]:
-        """The image placeholder mask over this step's tokens and the embeddings that fill it (each image
-        encoded once per request, when the first chunk holding its placeholders runs)."""
+    def _image_inputs(self, plan):
+        """(the plan, the image placeholder mask over this step's tokens, the embeddings that fill it); each
+        image is encoded once per request, when the first chunk holding its placeholders runs. A sequence
+        whose image cannot be encoded ends alone and leaves the plan."""
         if not any(seq.images.layout for seq, _ in plan):
-            return None, None
-        masks, parts = [], []
+            return plan, None, None
+        kept, masks, parts = [], [], []
 
         def encode(img: torch.Tensor) -> torch.Tensor:
             self.stats.images_encoded += 1
             return self.model.vision.encode(img)
 
         for seq, n in plan:
-            mask, embeds = seq.images.chunk(seq.num_cached, n, encode)
+            try:
+                mask, embeds = seq.images.chunk(seq.num_cached, n, encode)
+            except Exception as e:  # one bad image fails its own request, not the step
+                log.exception("request %s: encoding its image failed", seq.id)
+                self._finish(seq, "error", f"encoding an image failed: {type(e).__name__}: {e}")
+                continue
+            kept.append((seq, n))
             masks.append(mask if mask is not None else torch.zeros(n, dtype=torch.bool))
             if embeds is not None:
                 parts.append(embeds)
         if not parts:
-            return None, None
-        return torch.cat(masks).to(self.device), torch.cat(parts)
+            return kept, None, None
+        return kept, torch.cat(masks).to(self.device), torch.cat(parts)
 
     def _finish(self, seq: Sequence, reason: str, error: str | None = None, error_kind: str | None = None) -> None:
         if seq.status is Status.FINISHED:
