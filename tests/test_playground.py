@@ -11,6 +11,7 @@ import json
 import os
 import re
 import shutil
+import time
 
 import httpx
 import pytest
@@ -89,6 +90,23 @@ def test_the_run_endpoint_streams_the_history_as_the_api_returns_it(server):
     refused = httpx.post(server.url + "/playground/run", json={**RUN, "tools": ["shell"]},
                          headers={"origin": server.url, "x-horizon-csrf": token})
     assert refused.status_code == 400
+
+
+def test_pages_that_leave_at_once_hold_no_run_slot(server):
+    from horizon.server.playground import MAX_RUNS
+
+    token = page_token(server)
+    headers = {"origin": server.url, "x-horizon-csrf": token}
+    for _ in range(2 * MAX_RUNS):  # each leaves before reading a byte
+        with httpx.stream("POST", server.url + "/playground/run", json={**RUN, "max_tokens": 64},
+                          headers=headers) as r:
+            assert r.status_code == 200
+    for _ in range(100):  # the abandoned runs' threads end as soon as their cancelled steps come back
+        ok = httpx.post(server.url + "/playground/run", json=RUN, headers=headers, timeout=60)
+        if "runs are going already" not in ok.text:
+            break
+        time.sleep(0.05)
+    assert "event: history" in ok.text  # every slot came back
 
 
 def test_with_api_keys_the_run_needs_one_and_no_playground_means_no_page(tmp_path):

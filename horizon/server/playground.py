@@ -146,13 +146,16 @@ def create_router(settings: PlaygroundSettings) -> APIRouter:
             return _error(400, "invalid_request_error", f"tools {unknown} are not offered here (offered: "
                                                         f"{', '.join(settings.toolsets)}; files needs the server "
                                                         "started with --playground-root)")
-        if not runs.acquire(blocking=False):
-            return _error(429, "rate_limit_error", f"{MAX_RUNS} playground runs are going already; retry shortly")
         return StreamingResponse(events(body, request.app.state.service, runs), media_type="text/event-stream",
                                  headers={"cache-control": "no-cache"})
 
     async def events(body: RunRequest, service, runs: threading.BoundedSemaphore):
-        """Run the agent on its own thread; its events come here through a queue, as SSE."""
+        """Run the agent on its own thread; its events come here through a queue, as SSE. The run's slot is
+        taken here, not in the route: a response whose body never starts (the page left at once) holds none."""
+        if not runs.acquire(blocking=False):
+            message = f"{MAX_RUNS} playground runs are going already; retry shortly"
+            yield f"event: error\ndata: {json.dumps({'message': message})}\n\n"
+            return
         loop = asyncio.get_running_loop()
         out: asyncio.Queue = asyncio.Queue()
         client = ServingClient(service)
