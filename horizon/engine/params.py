@@ -102,7 +102,7 @@ class FinishEvent:
     usage: Usage
     error: str | None = None
     # with reason "error", whose failure it was: "invalid_request" (the request's own settings left nothing
-    # to sample), "internal" (computing it failed), "unavailable" (the server stopped it: shutting down)
+    # to sample), "unavailable" (the server stopped it: shutting down), None: computing it failed
     error_kind: str | None = None
     deltas: list[Delta] = field(default_factory=list)  # what the parser flushed at the end
 

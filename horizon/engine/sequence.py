@@ -128,8 +128,7 @@ class Sequence:
             tail = self.stopper.flush()
             if tail:
                 deltas.insert(0, TextDelta(tail))
-        kind = error_kind or ("internal" if reason == "error" else None)
-        self.emit(FinishEvent(self.id, reason, self.usage(), error, deltas=deltas, error_kind=kind))
+        self.emit(FinishEvent(self.id, reason, self.usage(), error, deltas=deltas, error_kind=error_kind))
 
     def usage(self) -> Usage:
         reasoning = self.thinking_tokens + (1 if self.params.tier is not None and not self.thinking else 0)

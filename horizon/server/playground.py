@@ -43,7 +43,7 @@ from pydantic import BaseModel, Field
 from horizon.agent import Agent, AgentConfig, fixed_policy
 from horizon.agent.local import ServingClient
 from horizon.agent.registry import make_tools
-from horizon.server.http import ParsedBody
+from horizon.server.http import ParsedBody, error_body
 
 CSP = "default-src 'self'; object-src 'none'; base-uri 'none'; frame-ancestors 'none'"
 STATIC = {"app.js": "text/javascript", "style.css": "text/css"}
@@ -138,14 +138,14 @@ def create_router(settings: PlaygroundSettings) -> APIRouter:
     async def run(body: RunRequest, request: Request):
         why = refusal(request, settings)
         if why is not None:
-            return _error(403, "permission_error", why)
+            return _error("permission", why)
         if request.app.state.settings.tenants() and not getattr(request.state, "tenant", None):
-            return _error(401, "authentication_error", "this server needs an API key: enter it on the page")
+            return _error("authentication", "this server needs an API key: enter it on the page")
         unknown = [t for t in body.tools if t not in settings.toolsets]
         if unknown:
-            return _error(400, "invalid_request_error", f"tools {unknown} are not offered here (offered: "
-                                                        f"{', '.join(settings.toolsets)}; files needs the server "
-                                                        "started with --playground-root)")
+            return _error("invalid_request", f"tools {unknown} are not offered here (offered: "
+                                             f"{', '.join(settings.toolsets)}; files needs the server started "
+                                             "with --playground-root)")
         return StreamingResponse(events(body, request.app.state.service, runs), media_type="text/event-stream",
                                  headers={"cache-control": "no-cache"})
 
@@ -201,6 +201,6 @@ def _page_headers() -> dict[str, str]:
             "cache-control": "no-store"}
 
 
-def _error(status: int, type_: str, message: str) -> JSONResponse:
-    return JSONResponse({"error": {"message": message, "type": type_, "param": None, "code": None}},
-                        status_code=status)
+def _error(kind: str, message: str) -> JSONResponse:
+    status, body = error_body(False, kind, message)
+    return JSONResponse(body, status_code=status)

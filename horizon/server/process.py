@@ -69,7 +69,7 @@ class DrainingServer(uvicorn.Server):
             self.draining = True
             log.warning("horizon serve: draining (up to %.0f s for running requests)", self.drain_timeout_s)
             # a thread, not here: a signal handler may interrupt the event loop while it holds the engine's lock
-            threading.Thread(target=lambda: self.service.drain(self.drain_timeout_s).join(), daemon=True).start()
+            threading.Thread(target=self.service.drain, args=(self.drain_timeout_s,), daemon=True).start()
         super().handle_exit(sig, frame)
 
 

@@ -77,6 +77,7 @@ ERROR_KINDS = {
     "too_large": (413, "invalid_request_error", "request_too_large"),
     "timeout": (408, "invalid_request_error", "invalid_request_error"),  # the client stalled
     "overloaded": (429, "rate_limit_error", "overloaded_error"),  # Anthropic answers 529
+    "permission": (403, "permission_error", "permission_error"),
     "unavailable": (503, "server_error", "overloaded_error"),  # shutting down: retry elsewhere or later
     "internal": (500, "server_error", "api_error"),
 }
@@ -164,8 +165,8 @@ class ModelService:
             raise ValueError(f"prefix_snapshot_turns={prefix_snapshot_turns} must be >= 0")
         self.prefix_snapshot_turns = prefix_snapshot_turns
         # the most text bytes one token stands for: bytes / this is a lower bound on a text's token count
-        self.max_token_bytes = max([len(tokenizer.token_bytes(t) or b"") for t in range(tokenizer.vocab_size)] +
-                                   [len(t.encode()) for t in tokenizer.special_text.values()])
+        # (text never encodes to a special token, so the ordinary tokens' bytes are all that count)
+        self.max_token_bytes = max(map(len, engine.grammars.token_bytes))
         self.engine, self.tokenizer, self.model_id = engine, tokenizer, model_id
         self.template = ChatTemplate(tokenizer)
         self.history_policy, self.max_queue = history_policy, max_queue
