@@ -173,11 +173,28 @@ def build_ours(cfg: ModelConfig, dtype: str, seed: int, like: HorizonForCausalLM
     return model.eval()
 
 
+FORMATS = ("fp32", "bf16", "mxfp4", "mxfp4-int8")
+
+
 def build_ours_pair(cfg: ModelConfig, args) -> dict[str, HorizonForCausalLM]:
-    """{"ours_fp32", "ours_bf16"}: the preset in float32, and the same weights rounded to bfloat16."""
-    log(f"building {args.preset} ({cfg.num_layers} layers) in float32 and bfloat16")
-    ours = {"ours_fp32": build_ours(cfg, "float32", args.seed)}
-    ours["ours_bf16"] = build_ours(cfg, "bfloat16", args.seed, like=ours["ours_fp32"])
+    """{"ours_fp32", "ours_bf16"}: the preset in float32, and the same weights rounded to bfloat16; with
+    --formats also "ours_mxfp4" (the fp32 model's routed experts as MXFP4, the shipped format) and
+    "ours_mxfp4_int8" (that, with every dense projection int8)."""
+    from horizon.quant import quantize_dense_int8, quantize_model
+
+    formats = getattr(args, "formats", None) or (list(FORMATS) if hasattr(args, "formats") else ["fp32", "bf16"])
+    formats = ["fp32"] + [f for f in formats if f != "fp32"]  # the others are built from it (and bench/engine needs it)
+    log(f"building {args.preset} ({cfg.num_layers} layers): {', '.join(formats)}")
+    fp32 = build_ours(cfg, "float32", args.seed)
+    ours = {}
+    for name in formats:
+        if name == "fp32":
+            ours["ours_fp32"] = fp32
+        elif name == "bf16":
+            ours["ours_bf16"] = build_ours(cfg, "bfloat16", args.seed, like=fp32)
+        else:
+            model = quantize_model(build_ours(cfg, "float32", args.seed, like=fp32))
+            ours["ours_" + name.replace("-", "_")] = quantize_dense_int8(model) if name == "mxfp4-int8" else model
     return ours
 
 
@@ -365,6 +382,11 @@ ARGS: dict[str, tuple[list[str], dict, tuple | None]] = {
     "glm5_hc_mult": (["--glm5-hc-mult"], dict(type=int, default=1, help="glm5_next hyper-connection streams (real "
                                                                           "model: 4)"), None),
     "no_transformers": (["--no-transformers"], dict(action="store_true", help="only our engine"), None),
+    "formats": (["--formats"], dict(nargs="+", default=None, choices=["fp32", "bf16", "mxfp4", "mxfp4-int8"],
+                                    help="our weight formats (default all): fp32, bf16, MXFP4 experts (rest "
+                                         "fp32), MXFP4 experts + int8 dense projections"), None),
+    "enforce_eager": (["--enforce-eager"], dict(action="store_true", help="our engine without compiled decode "
+                                                                           "graphs"), None),
     "dtype": (["--dtype"], dict(default=None, help="context / ttft dtype (default: the preset's)"), None),
     "contexts": (["--contexts"], dict(type=int, nargs="+", default=None, help="default 1024 4096 16384"),
                  ([64, 256], [1024, 4096, 16384])),

@@ -12,6 +12,7 @@ A checkpoint folder holds
     horizon.save(model, "ckpt/", quantize="mxfp4")
     model = horizon.load("ckpt/", dtype=torch.bfloat16)
     model = horizon.load("ckpt/", check_finite=True)   # also refuse NaN/Inf weights (check_finite_weights)
+    model = horizon.load("ckpt/", dense="int8")        # dense projections as int8 (a load-time format)
 
 `load` also reads Hugging Face folders of other model families (`horizon.interop`): their config
 is translated to a ModelConfig and their tensors renamed, so they run on the one Horizon model.
@@ -41,6 +42,7 @@ from horizon.config import ModelConfig
 from horizon.model.model import HorizonForCausalLM
 from horizon.quant import canonical_name as _canonical_name  # `<name>.blocks` (gpt-oss) -> `<name>_blocks`
 from horizon.quant import empty_quantized_model
+from horizon.quant.int8 import Int8Linear, quantize_dense_int8
 from horizon.quant.layers import MXFP4Experts, MXFP4Linear
 from horizon.quant.mxfp4 import BLOCK as MXFP4_BLOCK
 from horizon.quant.mxfp4 import E8M0_BIAS
@@ -54,6 +56,7 @@ WEIGHTS = "model.safetensors"
 INDEX = "model.safetensors.index.json"
 DEFAULT_SHARD_BYTES = 4 * 1024**3
 QUANT_METHODS = ("mxfp4",)
+DENSE_FORMATS = ("int8",)  # load-time formats of the dense projections (`load(dense=...)`); None: as stored
 _SAFETENSORS_DTYPE_BYTES = {"F64": 8, "F32": 4, "F16": 2, "BF16": 2, "I64": 8, "I32": 4, "I16": 2, "I8": 1,
                             "U8": 1, "BOOL": 1, "F8_E4M3": 1, "F8_E5M2": 1}
 
@@ -251,6 +254,11 @@ def save(model: HorizonForCausalLM, path: str | Path, quantize: str | None = Non
          generation_config: dict[str, Any] | None = None, max_shard_bytes: int = DEFAULT_SHARD_BYTES) -> Path:
     """Write a checkpoint folder; `quantize="mxfp4"` stores the routed experts as MXFP4 (docs/design.md §2)."""
     _check_quantize(quantize)
+    # Int8Linear's weight_int8 / weight_scale would be written under names no loader accepts: refuse
+    # before anything touches the folder
+    if any(isinstance(m, Int8Linear) for m in model.modules()):
+        raise ValueError("int8 dense weights are a load-time format; save the full-precision model "
+                         "(load it without dense='int8') instead")
     path = Path(path)
     path.mkdir(parents=True, exist_ok=True)
     quantization = quantize or ("mxfp4" if _quantized_experts(model.state_dict()) else None)
@@ -405,12 +413,21 @@ def check_finite_weights(model: HorizonForCausalLM, source: str) -> None:
                          "to load it anyway skip this check: check_finite=False, or `horizon serve --no-weight-check`")
 
 
+def _check_dense(dense: str | None) -> None:
+    if dense not in (None, *DENSE_FORMATS):
+        raise ValueError(f"dense={dense!r} is not supported; allowed: None (the stored weights), "
+                         f"{', '.join(map(repr, DENSE_FORMATS))}")
+
+
 def load(path: str | Path, dtype: torch.dtype | None = None, device="cpu",
-         check_finite: bool = False) -> HorizonForCausalLM:
+         check_finite: bool = False, dense: str | None = None) -> HorizonForCausalLM:
     """Load a Horizon checkpoint folder, or a supported Hugging Face one (see horizon.interop).
 
     check_finite: after filling the model, refuse NaN/Inf weights (`check_finite_weights`).
+    dense: "int8" swaps the dense projections for int8 ones after loading (`quantize_dense_int8`;
+    ~1/4 of fp32's bytes); such a model cannot be saved.
     """
+    _check_dense(dense)
     path = Path(path)
     if not path.is_dir():
         raise ValueError(f"{path}: not a checkpoint folder")
@@ -444,6 +461,8 @@ def load(path: str | Path, dtype: torch.dtype | None = None, device="cpu",
         model.lm_head.weight = model.embed.weight
     if check_finite:
         check_finite_weights(model, str(path))
+    if dense == "int8":
+        quantize_dense_int8(model)
     return model.eval()
 
 
@@ -462,7 +481,7 @@ class Bundle:
 
 
 def open_model(path: str | Path | None = None, dtype: torch.dtype | None = None, device="cpu",
-               check_finite: bool = False) -> Bundle:
+               check_finite: bool = False, dense: str | None = None) -> Bundle:
     """Model, tokenizer and generation config of a checkpoint folder, or of a model Horizon ships.
 
     None or "bundled": the trained `horizon-tiny` shipped in `horizon/assets/horizon-tiny` (MXFP4
@@ -470,20 +489,23 @@ def open_model(path: str | Path | None = None, dtype: torch.dtype | None = None,
     random weights from a fixed seed, the same on every machine (it speaks the chat format's tokens
     but not sense; the tests use it because its behaviour does not change when the bundled model is
     retrained). check_finite: refuse a checkpoint with NaN/Inf weights (see `load`); the random
-    model is made here, not read, and is not checked.
+    model is made here, not read, and is not checked. dense: as in `load` ("int8" or None), for every source.
     """
     from horizon.chat import load_tokenizer
 
+    _check_dense(dense)
     if str(path) == RANDOM or ((path is None or str(path) == BUNDLED) and not (BUNDLED_DIR / CONFIG).is_file()):
         model = HorizonForCausalLM(ModelConfig.preset("tiny"), init=False)
         model.init_weights(seed=0)  # the same weights on every machine
         model = model.to(device=device, dtype=dtype or torch.float32)
+        if dense == "int8":
+            quantize_dense_int8(model)
         return Bundle(model.eval(), load_tokenizer(), default_generation_config(), "bundled:tiny-random")
     # The generation config first: a typo in it should not wait for (possibly minutes of) weights.
     if path is None or str(path) == BUNDLED:
         gen = load_generation_config(BUNDLED_DIR)
-        model = load(BUNDLED_DIR, dtype=dtype, device=device, check_finite=check_finite)
+        model = load(BUNDLED_DIR, dtype=dtype, device=device, check_finite=check_finite, dense=dense)
         return Bundle(model, load_tokenizer(BUNDLED_DIR), gen, "bundled:horizon-tiny")
     gen = load_generation_config(path)
-    model = load(path, dtype=dtype, device=device, check_finite=check_finite)
+    model = load(path, dtype=dtype, device=device, check_finite=check_finite, dense=dense)
     return Bundle(model, load_tokenizer(path), gen, str(path))

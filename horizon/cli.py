@@ -133,10 +133,15 @@ def _open_engine(args):
     from horizon.checkpoint import open_model
     from horizon.engine import Engine, EngineConfig
 
-    bundle = open_model(args.model)
+    bundle = open_model(args.model, dense=_dense(args.dense_weights))
     engine = Engine(bundle.model, bundle.tokenizer, EngineConfig(max_num_seqs=1, max_batch_tokens=512),
                     generation_config=bundle.generation_config)
     return bundle, engine
+
+
+def _dense(choice: str) -> str | None:
+    """--dense-weights {full,int8} -> open_model's `dense` (None: the weights as stored)."""
+    return None if choice == "full" else choice
 
 
 def _params(args):
@@ -200,7 +205,7 @@ def _build_app(model: str | None, served_model_name: str | None = None, api_keys
                responses_retention_days: float = 30, reasoning_key_file: str | None = None,
                prefix_snapshot_turns: int = 2, body_timeout_s: float = 30, prefix_cache_mb: float = 256,
                check_weights: bool = True, playground: bool = True, playground_root: str | None = None,
-               playground_hosts: list[str] | None = None):
+               playground_hosts: list[str] | None = None, compile: bool = False, dense_weights: str = "full"):
     """(the FastAPI app over one engine, the served model id, the checkpoint's source)."""
     import os
 
@@ -209,11 +214,11 @@ def _build_app(model: str | None, served_model_name: str | None = None, api_keys
     from horizon.server import ModelService, ServerSettings, create_app
     from horizon.server.playground import PlaygroundSettings
 
-    bundle = open_model(model, check_finite=check_weights)
+    bundle = open_model(model, check_finite=check_weights, dense=_dense(dense_weights))
     engine = Engine(bundle.model, bundle.tokenizer,
                     EngineConfig(max_num_seqs=max_num_seqs, max_model_len=max_model_len,
                                  max_batch_tokens=max_batch_tokens, coverage_every=coverage_every,
-                                 prefix_cache_bytes=int(prefix_cache_mb * 1024**2)),
+                                 prefix_cache_bytes=int(prefix_cache_mb * 1024**2), compile=compile),
                     generation_config=bundle.generation_config)
     shipped = {"bundled:horizon-tiny": "horizon-tiny", "bundled:tiny-random": "horizon-tiny-random"}
     model_id = served_model_name or shipped.get(bundle.source) or os.path.basename(os.path.abspath(model))
@@ -259,7 +264,8 @@ def _cmd_serve(args: argparse.Namespace) -> int:
                                            args.responses_db, args.responses_retention_days, args.reasoning_key_file,
                                            args.prefix_snapshot_turns, args.body_timeout, args.prefix_cache_mb,
                                            not args.no_weight_check, not args.no_playground, args.playground_root,
-                                           args.playground_allowed_host)
+                                           args.playground_allowed_host, compile=not args.enforce_eager,
+                                           dense_weights=args.dense_weights)
     except ValueError as e:  # a setting the model or engine cannot take (e.g. --max-model-len past the window)
         raise SystemExit(f"horizon serve: {e}") from None
     page = "" if args.no_playground else f"; the playground: http://{args.host}:{args.port}/"
@@ -458,13 +464,10 @@ def _cmd_eval(args: argparse.Namespace) -> int:
     import torch
 
     from horizon.checkpoint import open_model
-    from horizon.engine import Engine, EngineConfig
-    from horizon.eval import evaluate, set_selection
+    from horizon.eval import eval_engine, evaluate
 
     bundle = open_model(args.model, dtype=getattr(torch, args.dtype) if args.dtype else None)
-    set_selection(bundle.model, args.selection)
-    engine = Engine(bundle.model, bundle.tokenizer, EngineConfig(max_num_seqs=args.batch, max_batch_tokens=2048),
-                    generation_config=bundle.generation_config)
+    engine = eval_engine(bundle.model, bundle.tokenizer, args.batch, args.selection, bundle.generation_config)
     domains = [d for d in args.domains.split(",") if d]
     tier = None if args.tier == "none" else args.tier
     done = set()
@@ -572,6 +575,11 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--dtype", choices=["float32", "bfloat16", "float16"], default=None)
     p.set_defaults(func=_cmd_convert)
 
+    def dense_weights(p: argparse.ArgumentParser) -> None:
+        p.add_argument("--dense-weights", choices=["full", "int8"], default="full",
+                       help="int8: hold the dense projections (attention, dense MLP, shared experts, LM head) as "
+                            "int8 with per-row scales, converted at load (~1/4 of fp32's bytes; docs/model.md)")
+
     def sampling(p: argparse.ArgumentParser) -> None:
         p.add_argument("--model", default=None, help="checkpoint folder (default: the bundled model)")
         p.add_argument("--tier", choices=["low", "high", "max"], default=None, help="thinking tier (default: off)")
@@ -579,6 +587,7 @@ def build_parser() -> argparse.ArgumentParser:
         p.add_argument("--temperature", type=float, default=0.7)
         p.add_argument("--top-p", type=float, default=0.95)
         p.add_argument("--seed", type=int, default=None)
+        dense_weights(p)
 
     p = sub.add_parser("generate", help="answer one prompt, streaming thinking and answer")
     p.add_argument("--prompt", required=True)
@@ -638,12 +647,16 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--no-weight-check", action="store_true",
                    help="skip the check for NaN / infinite weights at load (it costs ~4 ms on the bundled model, "
                         "~60 ms on the bf16 `small` preset)")
+    dense_weights(p)
     p.add_argument("--prefix-cache-mb", type=float, default=256,
                    help="memory for the KDA state snapshots that let later requests resume a shared prefix")
     p.add_argument("--prefix-snapshot-turns", type=int, default=2, metavar="K",
                    help="snapshot the state at the last K message boundaries of each prompt (and where the "
                         "system prompt ends), so branches of one history share it (see `horizon plan` for a "
                         "snapshot's size)")
+    p.add_argument("--enforce-eager", action="store_true",
+                   help="run every step eagerly: no compiled decode graphs (compiling one takes about a minute "
+                        "per batch-size bucket on 2 cores, cached across runs in TORCHINDUCTOR_CACHE_DIR)")
     p.add_argument("--coverage-every", type=int, default=64,
                    help="measure the DSA top-k's share of dense attention every N decode steps (0: off)")
     p.add_argument("--allow-local-images", default=None, metavar="DIR",

@@ -10,6 +10,10 @@ Per domain: `accuracy` (mean reward) with a 95% Wilson interval (`ci95`), `tool_
 (calls that name an offered tool with a JSON-object argument matching its schema, over all calls;
 null when no call was made), `thinking_tokens` (mean per episode), mean steps, and the count.
 
+`eval_engine(...)` builds the engine an evaluation decodes with; its `selection` ("indexer", or
+"recent": the index_topk most recent positions, the ablation) is an engine setting
+(EngineConfig.selection) that reaches every forward as ForwardOptions, so the model is never changed.
+
 `compare(a, b)` (`horizon compare A.jsonl B.jsonl`) pairs two models' per-task records on the same
 held-out tasks. Per domain: both accuracies (Wilson), the paired difference A - B with its 95%
 interval, and the difference in normalised reward, (reward - mean) / std with the domain's mean and
@@ -30,11 +34,12 @@ from horizon.agent import Agent, AgentConfig, Terminal, fixed_policy
 from horizon.agent.local import EngineClient
 from horizon.agent.registry import make_tools
 from horizon.agent.tool import ToolError, check_arguments
+from horizon.engine import Engine, EngineConfig
 from horizon.jsonl import jsonl_rows
-from horizon.model.dsa import GatedDSA
 from horizon.tasks import get_domain, make_split, task_fs
 
 DEFAULT_DOMAINS = ("arithmetic", "passkey-short", "terminal", "convert", "image")
+SELECTIONS = ("indexer", "recent")  # what the DSA layers attend to in an evaluation (--selection)
 
 
 def wilson(successes: float, n: int, z: float = 1.96) -> tuple[float, float]:
@@ -69,13 +74,19 @@ def task_tools(task, root: str) -> list:
     return make_tools(task.tools, root)
 
 
-def set_selection(model, selection: str) -> None:
+def check_selection(selection: str) -> str:
     """"indexer" (the learned top-k) or "recent" (the index_topk most recent positions: the ablation)."""
-    if selection not in ("indexer", "recent"):
-        raise ValueError(f"selection={selection!r}: allowed indexer, recent")
-    for m in model.modules():
-        if isinstance(m, GatedDSA) and m.indexer is not None:
-            m.indexer.selection = selection
+    if selection not in SELECTIONS:
+        raise ValueError(f"selection={selection!r}: allowed {', '.join(SELECTIONS)}")
+    return selection
+
+
+def eval_engine(model, tokenizer, max_num_seqs: int = 16, selection: str = "indexer",
+                generation_config: dict[str, Any] | None = None) -> Engine:
+    """The engine `horizon eval` decodes with: up to max_num_seqs sequences a step, DSA attending by
+    `selection` (an engine setting, passed down to every forward; the model is left as it is)."""
+    config = EngineConfig(max_num_seqs=max_num_seqs, max_batch_tokens=2048, selection=check_selection(selection))
+    return Engine(model, tokenizer, config, generation_config=generation_config)
 
 
 def run_lockstep(client: EngineClient, episodes: list, progress=None) -> None:

@@ -1,4 +1,5 @@
-"""Gated DSA: dense equivalence, absorbed == expanded, real sparse selection, ties, cache contents, memory."""
+"""Gated DSA: dense equivalence, absorbed == expanded, real sparse selection, ties, cache contents, memory,
+and the per-call options (no mode lives on the layer)."""
 
 import math
 
@@ -6,7 +7,7 @@ import pytest
 import torch
 
 import horizon.model.dsa as dsa_mod
-from horizon.model import Batch
+from horizon.model import Batch, ForwardOptions
 from horizon.model.dsa import GatedDSA, topk_recent_first
 
 from .conftest import TensorMemory, tiny, tiny_model
@@ -85,23 +86,22 @@ def test_topk_covering_the_length_is_dense_causal_attention():
 def test_absorbed_form_equals_expanded_form(topk):
     layer = make_layer(index_topk=topk)
     x = torch.randn(40, 64)
-    layer.attn_form = "expanded"
-    expanded = run(layer, x)
-    layer.attn_form = "absorbed"
-    absorbed = run(layer, x)
+    expanded = run(layer, x, options=ForwardOptions(attn_form="expanded"))
+    absorbed = run(layer, x, options=ForwardOptions(attn_form="absorbed"))
     torch.testing.assert_close(absorbed, expanded, atol=1e-5, rtol=0)
 
 
 def test_sparse_selection_restricts_attention_to_the_indexer_choice():
     k, T = 8, 40
     layer = make_layer(index_topk=k)
-    layer.record_selection = True
+    options = ForwardOptions(record_selection=True, measure_coverage=True)
     x = torch.randn(T, 64)
-    out = run(layer, x)
+    out = run(layer, x, options=options)
     dense = explicit_attention(layer, x, causal(T))
     assert (out - dense).abs().max() > 1e-3  # selection really changes the result
+    assert 0 < options.coverage[layer.layer_idx] < 1  # the selection keeps part of the dense attention mass
     chosen = brute_force_selection(layer, x, k)
-    got = layer.last_selection[0]
+    got = options.selections[layer.layer_idx][0]
     assert got.shape == (T, k)
     allowed = torch.zeros(T, T, dtype=torch.bool)
     for t in range(T):
@@ -114,11 +114,11 @@ def test_sparse_selection_restricts_attention_to_the_indexer_choice():
 def test_recent_selection_keeps_the_most_recent_positions():
     k, T = 8, 40
     layer = make_layer(index_topk=k)
-    layer.indexer.selection = "recent"  # the ablation baseline of `horizon eval --selection recent`
-    layer.record_selection = True
+    # the ablation baseline of `horizon eval --selection recent`
+    options = ForwardOptions(selection="recent", record_selection=True)
     x = torch.randn(T, 64)
-    out = run(layer, x)
-    got = layer.last_selection[0]
+    out = run(layer, x, options=options)
+    got = options.selections[layer.layer_idx][0]
     allowed = torch.zeros(T, T, dtype=torch.bool)
     for t in range(T):
         want = list(range(max(0, t - k + 1), t + 1))
@@ -135,7 +135,7 @@ def test_ties_break_toward_recent_positions_in_prefill_decode_and_batches():
     dsa_layers = [model.layers[i].attn for i in model.config.dsa_layers]
     for layer in dsa_layers:
         layer.indexer.weights_proj.weight.data.zero_()
-        layer.record_selection = True
+    picks = lambda: ForwardOptions(record_selection=True)
     ids = torch.randint(0, model.config.vocab_size, (1, T))
     window = [sorted(range(max(0, t - k + 1), t + 1)) for t in range(T)]
 
@@ -143,19 +143,19 @@ def test_ties_break_toward_recent_positions_in_prefill_decode_and_batches():
         return sorted(s for s in sel if s <= t)
 
     with torch.no_grad():
-        full = model(ids)
+        full = model(ids, options=(opts := picks()))
         for layer in dsa_layers:
-            assert [valid(layer.last_selection[0, t].tolist(), t) for t in range(T)] == window
+            assert [valid(opts.selections[layer.layer_idx][0, t].tolist(), t) for t in range(T)] == window
         cache = model.new_cache(2, T)
         model(ids[:, :10], cache=cache)
-        steps = [model(ids[:, t:t + 1], cache=cache) for t in range(10, T)]
-        for layer in dsa_layers:
-            assert valid(layer.last_selection[0, 0].tolist(), T - 1) == window[T - 1]
+        steps = [model(ids[:, t:t + 1], cache=cache, options=(opts := picks())) for t in range(10, T)]
+        for layer in dsa_layers:  # the last decode step's
+            assert valid(opts.selections[layer.layer_idx][0, 0].tolist(), T - 1) == window[T - 1]
         torch.testing.assert_close(torch.cat(steps, 1), full[:, 10:], atol=1e-5, rtol=0)
         other = torch.randint(0, model.config.vocab_size, (1, T))
-        batched = model(torch.cat((other, ids)), lengths=[T - 7, T])
+        batched = model(torch.cat((other, ids)), lengths=[T - 7, T], options=(opts := picks()))
         for layer in dsa_layers:
-            assert [valid(layer.last_selection[1, t].tolist(), t) for t in range(T)] == window
+            assert [valid(opts.selections[layer.layer_idx][1, t].tolist(), t) for t in range(T)] == window
         torch.testing.assert_close(batched[1], full[0], atol=1e-5, rtol=0)
 
 
@@ -163,12 +163,12 @@ def test_decode_cache_holds_only_latent_rows_and_indexer_keys():
     model = tiny_model()
     cfg = model.config
     cache = model.new_cache(3, 50)
-    rows = cache.num_blocks * cache.block_size
+    rows = (cache.num_blocks + 1) * cache.block_size  # one block more: the scratch slot's (model/cache.py)
     assert cache.num_blocks * cache.block_size >= 3 * 50
     for i in cfg.dsa_layers:
         layer_cache = cache.layers[i]
         per_token = {name: tuple(t.shape) for name, t in vars(layer_cache).items()
-                     if isinstance(t, torch.Tensor) and t is not cache.block_table}
+                     if isinstance(t, torch.Tensor) and t is not cache.full_table}
         assert per_token == {"latent": (rows, cfg.kv_lora_rank + cfg.qk_rope_head_dim),
                              "index": (rows, cfg.index_head_dim)}
     assert cache.bytes_per_token() == len(cfg.dsa_layers) * (cfg.kv_lora_rank + cfg.qk_rope_head_dim
@@ -263,3 +263,52 @@ def test_gather_rows_equals_advanced_indexing(dtype):
     table = torch.randn(60, 10, generator=g).to(dtype)  # width 10 bf16 = 5 four-byte words
     rows = torch.randint(0, 60, (2, 5, 7), generator=g)
     assert torch.equal(gather_rows(table, rows), table[rows])
+
+
+def test_forward_options_reject_unknown_modes_naming_the_allowed_ones():
+    with pytest.raises(ValueError, match=r"selection='sparse': allowed indexer, recent, dense"):
+        ForwardOptions(selection="sparse").validate()
+    with pytest.raises(ValueError, match=r"attn_form='mla': allowed auto, expanded, absorbed"):
+        ForwardOptions(attn_form="mla").validate()
+    model = tiny_model(index_topk=8)
+    ids = torch.randint(0, model.config.vocab_size, (1, 12))
+    with pytest.raises(ValueError, match="allowed indexer, recent, dense"), torch.no_grad():
+        model(ids, options=ForwardOptions(selection="Recent"))  # checked on the way in, not silently dense
+
+
+def test_a_forward_leaves_no_per_call_state_on_the_layers():
+    """Modes come in with the call and results go out through its options: the modules' own attributes are
+    the same objects before and after forwards with every probe on (a compiled graph relies on it)."""
+    model = tiny_model(index_topk=8)
+    layers = [m for m in model.modules() if isinstance(m, GatedDSA)]
+    modules = layers + [m.indexer for m in layers]
+
+    def state():
+        return [{k: (v if isinstance(v, (int, float, str, bool, type(None))) else id(v)) for k, v in vars(m).items()}
+                for m in modules]
+
+    before = state()
+    ids = torch.randint(0, model.config.vocab_size, (2, 30))
+    options = ForwardOptions(record_selection=True, measure_coverage=True, indexer_inputs=True)
+    with torch.no_grad():
+        model(ids, lengths=[30, 20], options=options)
+        model(ids[:, :12], options=ForwardOptions(selection="dense", attn_form="absorbed"))
+        cache = model.new_cache(2, 40)
+        model(ids[:, :20], cache=cache, options=ForwardOptions(selection="recent", record_selection=True))
+        model(ids[:, 20:21], cache=cache, options=ForwardOptions(measure_coverage=True))
+        model(ids[:, 21:22], cache=cache)
+    assert state() == before
+    dsa = {m.layer_idx for m in layers}
+    assert set(options.selections) == set(options.coverage) == set(options.indexer_taps) == dsa
+    for i in dsa:  # the layer ran sparse (30 > index_topk): the tap carries its picks
+        assert options.indexer_taps[i].selected is options.selections[i]
+        assert options.selections[i].shape == (2, 30, 8)
+
+
+def test_dense_selection_attends_to_every_visible_position():
+    layer = make_layer(index_topk=8)
+    x = torch.randn(40, 64)
+    options = ForwardOptions(selection="dense", record_selection=True, indexer_inputs=True)
+    torch.testing.assert_close(run(layer, x, options=options), explicit_attention(layer, x, causal(40)),
+                               atol=1e-5, rtol=0)
+    assert options.selections == {} and options.indexer_taps[layer.layer_idx].selected is None

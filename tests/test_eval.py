@@ -13,7 +13,7 @@ from horizon.agent.local import EngineClient
 from horizon.checkpoint import open_model
 from horizon.cli import main
 from horizon.engine import Engine, EngineConfig
-from horizon.eval import compare, valid_call, wilson
+from horizon.eval import check_selection, compare, eval_engine, valid_call, wilson
 
 
 def test_engine_client_runs_forced_calls_and_resumes_each_step_from_the_cache():
@@ -123,3 +123,39 @@ def test_compare_refuses_records_of_different_tasks(tmp_path, capsys):
     assert "arithmetic" in out and "+0.333" in out and "mean normalised reward" in out
     assert main(["compare", str(pa), str(bad)]) == 2
     assert "bad.jsonl:1: an eval record needs domain, id and reward" in capsys.readouterr().err
+
+
+def test_the_dsa_selection_is_an_engine_setting_that_reaches_every_forward(monkeypatch):
+    """`horizon eval --selection recent` sets the engine's selection (EngineConfig.selection), which goes down
+    to the indexer with each forward; the model itself is left as it was."""
+    import torch
+
+    from horizon.chat import load_tokenizer
+    from horizon.engine import Request, SamplingParams
+    from horizon.model.dsa import LightningIndexer
+
+    from .conftest import tiny_model
+
+    model, tok = tiny_model(index_topk=4), load_tokenizer()
+    seen = []
+    real = LightningIndexer.select
+
+    def spy(self, *args, **kw):
+        seen.append(args[6] if len(args) > 6 else kw.get("selection", "indexer"))
+        return real(self, *args, **kw)
+
+    monkeypatch.setattr(LightningIndexer, "select", spy)
+    state = {k: v.clone() for k, v in model.state_dict().items()}
+    prompt = torch.randint(40, 4000, (12,), generator=torch.Generator().manual_seed(0)).tolist()  # > index_topk
+    params = SamplingParams(max_tokens=3, temperature=0, ignore_eos=True)
+    for selection in ("recent", "indexer"):
+        engine = eval_engine(model, tok, max_num_seqs=2, selection=selection)
+        assert engine.config.selection == selection
+        seen.clear()
+        engine.generate([Request(prompt, params)])
+        assert seen and set(seen) == {selection}  # the prefill and every decode step
+    assert all(torch.equal(v, state[k]) for k, v in model.state_dict().items())
+    with pytest.raises(ValueError, match="selection='nearest': allowed indexer, recent"):
+        eval_engine(model, tok, selection="nearest")
+    with pytest.raises(ValueError, match="allowed indexer, recent"):
+        check_selection("dense")  # a training mode, not an evaluation one

@@ -17,7 +17,8 @@ def start(tmp_path, *flags: str) -> tuple[subprocess.Popen, str]:
     port = free_port()
     proc = subprocess.Popen([sys.executable, "-m", "horizon.cli", "serve", "--model", "tiny-random", "--port",
                              str(port), "--signature-key-file", str(tmp_path / "key"), "--responses-db",
-                             str(tmp_path / "responses.sqlite3"), "--log-level", "warning", *flags],
+                             str(tmp_path / "responses.sqlite3"), "--log-level", "warning",
+                             "--enforce-eager", *flags],  # these tests are about the process, not compiling
                             stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
     url = f"http://127.0.0.1:{port}"
     for _ in range(600):

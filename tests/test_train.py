@@ -173,21 +173,25 @@ def test_indexer_warmup_trains_only_the_indexer_toward_the_dense_attention(tmp_p
 
 
 def test_dense_stage_trains_everything_with_dense_attention(tmp_path):
+    from horizon.model import ForwardOptions
     from horizon.model.dsa import GatedDSA
+    from horizon.train.trainer import stage_options
 
     model = tiny_model()
     examples = [task_example(TOK, model.config, t) for t in make_split("passkey-short", "train", 4)]
     trainer = Trainer(model, TOK, Mixture({"passkey": examples}),
                       TrainConfig(steps=1, batch_size=4, max_len=512, stage="dense"), tmp_path)
     dsa = [m for m in model.modules() if isinstance(m, GatedDSA)]
-    assert dsa and all(m.force_dense and m.indexer_training is None for m in dsa)
+    # the stage is how each training forward is called, not a state of the layers
+    assert dsa and stage_options("dense") == ForwardOptions(selection="dense")
+    assert stage_options("indexer-warmup") == ForwardOptions(selection="dense", indexer_inputs=True)
+    assert stage_options("sparse") == ForwardOptions(indexer_inputs=True) and stage_options("sft") == ForwardOptions()
     assert all(p.requires_grad for p in model.parameters())
     batch = collate(examples, 512, model.config, TOK.special.image)
     assert batch["lengths"].max() > model.config.index_topk  # long enough that sparse attention would differ
     with torch.no_grad():
         dense = trainer.loss(batch)[0].item()
-        for m in dsa:  # the same prompts under the configured (sparse) attention give another loss
-            m.force_dense = False
+        trainer.config.stage = "sft"  # the same prompts under the configured (sparse) attention give another loss
         sparse = trainer.loss(batch)[0].item()
         for m in dsa:
             m.indexer.topk = 10**6  # every position selected: dense by construction

@@ -8,9 +8,9 @@
         ...
     engine.stop()
 
-One step is: schedule (who runs, how many tokens each), run (one forward over all of them, the
-varlen batch mixing prefill chunks and decode tokens), post-process (sample, stream events,
-finish). Requests and cancellations may arrive from any thread; they are applied between steps.
+One step is: schedule (who runs, how many tokens each), run (the ModelRunner's one forward over
+all of them, the varlen batch mixing prefill chunks and decode tokens), post-process (sample,
+stream events, finish). Requests and cancellations may arrive from any thread; they are applied between steps.
 The engine knows token ids and the chat format's special tokens, never HTTP.
 """
 
@@ -32,11 +32,12 @@ from horizon.chat.images import image_digest
 from horizon.chat.thinking import check_thinking_budgets
 from horizon.engine.constraints import Grammars, finishing
 from horizon.engine.params import Event, FinishEvent, Request, TokenEvent, Usage
+from horizon.engine.runner import ModelRunner, StepInputs
 from horizon.engine.sampler import NothingToSample, logprobs, sample
 from horizon.engine.scheduler import Scheduler
 from horizon.engine.sequence import Sequence, Status
-from horizon.model import Batch, HorizonCache
-from horizon.model.dsa import GatedDSA
+from horizon.model import HorizonCache
+from horizon.model.options import ForwardOptions
 from horizon.model.vision import num_image_tokens
 
 log = logging.getLogger(__name__)
@@ -51,11 +52,18 @@ class EngineConfig:
     max_batch_tokens: int = 512  # tokens per forward: decodes first, then prefill chunks
     prefix_cache_bytes: int = 256 * 1024**2  # cap on the KDA snapshots kept for prefix reuse
     coverage_every: int = 0  # every N decode steps, measure how much dense attention mass top-k keeps (0: off)
+    selection: str = "indexer"  # "indexer" | "recent": what DSA attends to (horizon eval --selection)
+    # decode steps as compiled graphs at bucketed batch sizes (horizon.engine.runner); False is eager, the
+    # reference (horizon serve compiles unless --enforce-eager; library users opt in, since a graph
+    # takes about a minute to compile on 2 cores and freezes the weights it was compiled with)
+    compile: bool = False
 
     def validate(self) -> None:
         for name in ("max_num_seqs", "block_size", "max_batch_tokens"):
             if getattr(self, name) < 1:
                 raise ValueError(f"EngineConfig.{name}={getattr(self, name)} must be >= 1")
+        if self.selection not in ("indexer", "recent"):
+            raise ValueError(f"EngineConfig.selection={self.selection!r}: allowed indexer, recent")
         if self.max_batch_tokens < self.max_num_seqs:
             raise ValueError(f"EngineConfig.max_batch_tokens={self.max_batch_tokens} must be >= max_num_seqs="
                              f"{self.max_num_seqs}, so every running sequence can decode each step")
@@ -155,6 +163,7 @@ class Engine:
                                   num_blocks=config.num_blocks or
                                   config.max_num_seqs * math.ceil(self.max_model_len / config.block_size))
         self.device = p.device
+        self.runner = ModelRunner(model, self.cache, compile=config.compile)
         self.scheduler = Scheduler(self.cache, config.max_batch_tokens, config.prefix_cache_bytes)
         gen = generation_config or {}
         self.budgets = check_thinking_budgets(gen.get("thinking_budgets", {}), "generation_config")
@@ -294,14 +303,11 @@ class Engine:
         plan, mask, embeds = self._image_inputs(plan)
         if not plan:
             return True  # every sequence of this step failed on its images
-        tokens = torch.tensor([t for seq, n in plan for t in seq.tokens[seq.num_cached: seq.num_cached + n]],
-                              device=self.device)
-        batch = Batch.build([n for _, n in plan], start=[seq.num_cached for seq, _ in plan],
-                            slots=[seq.slot for seq, _ in plan], device=self.device)
-        probe = self._coverage_probe(batch)
-        logits = self.model.forward_batch(tokens, batch, self.cache, last_only=True, image_embeds=embeds,
-                                          image_mask=mask)
-        self._read_probe(probe)
+        step = StepInputs([seq.tokens[seq.num_cached: seq.num_cached + n] for seq, n in plan],
+                          [seq.num_cached for seq, _ in plan], [seq.slot for seq, _ in plan], mask, embeds)
+        options = self._options(step)
+        logits = self.runner.run(step, options)
+        self._read_probe(options)
         finite = torch.isfinite(logits).all(dim=-1).tolist()  # one check for the batch, not one per row
         generated = 0
         for (seq, n), row, ok in zip(plan, logits, finite, strict=True):
@@ -312,7 +318,7 @@ class Engine:
                 self._finish(seq, "error", f"{type(e).__name__}: {e}")
         s = self.stats
         s.steps += 1
-        s.tokens_computed += int(batch.lens.sum())
+        s.tokens_computed += sum(n for _, n in plan)
         s.tokens_generated += generated
         s.max_seqs_in_forward = max(s.max_seqs_in_forward, len(plan))
         s.forwards_multi_seq += len(plan) > 1
@@ -429,23 +435,22 @@ class Engine:
             log.exception("request %s: delivering its finish failed", seq.id)
 
     # --- indexer statistics ------------------------------------------------------------------------
-    def _coverage_probe(self, batch: Batch) -> list[GatedDSA]:
+    def _options(self, step: StepInputs) -> ForwardOptions | None:
+        """This step's attention options: None (the defaults, a compiled graph's) unless the engine selects
+        differently (EngineConfig.selection) or this decode step is one of the sampled coverage probes."""
+        selection = self.config.selection
+        probe = False
         every = self.config.coverage_every
-        if not every or batch.max_len != 1:
-            return []
-        self._decode_steps += 1
-        if self._decode_steps % every:
-            return []
-        layers = [m for m in self.model.modules() if isinstance(m, GatedDSA) and m.indexer is not None]
-        for layer in layers:
-            layer.measure_coverage = True
-        return layers
+        if every and step.is_decode:
+            self._decode_steps += 1
+            probe = self._decode_steps % every == 0
+        if selection == "indexer" and not probe:
+            return None
+        return ForwardOptions(selection=selection, measure_coverage=probe)
 
-    def _read_probe(self, layers: list[GatedDSA]) -> None:
-        for layer in layers:
-            layer.measure_coverage = False
-            if layer.last_coverage is not None:
-                self.stats.coverage.append(layer.last_coverage)
+    def _read_probe(self, options: ForwardOptions | None) -> None:
+        if options is not None:
+            self.stats.coverage.extend(options.coverage.values())
 
     # --- driving it ------------------------------------------------------------------------------------
     def run_until_idle(self) -> None:

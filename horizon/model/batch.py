@@ -53,6 +53,15 @@ class Batch:
         uniform = all(n == max_len for n in lens_host)
         return cls(lens, start, slots, max_len, max_ctx, seq_ids, offsets, positions, uniform)
 
+    @classmethod
+    def decode(cls, start: torch.Tensor, slots: torch.Tensor | None, max_ctx: int) -> Batch:
+        """One new token per sequence at positions `start` [B]; `max_ctx` = max(start) + 1, given by the
+        caller (it knows it on the host). Built without reading a tensor back, so it can run inside a
+        compiled graph (a symbolic max_ctx keeps one graph for every context length)."""
+        B = start.shape[0]
+        ids = torch.arange(B, device=start.device)
+        return cls(torch.ones_like(start), start, slots, 1, max_ctx, ids, torch.zeros_like(start), start, True)
+
     @property
     def batch_size(self) -> int:
         return self.lens.shape[0]

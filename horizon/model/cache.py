@@ -15,6 +15,10 @@ blocks between sequences with a common prefix.
 
 Layers reach their part through small interfaces: `read` / `write` for KDA slots, `write` / `rows`
 / `gather` / `index_keys` for the latent pool.
+
+Past the `num_slots` real slots there is one scratch slot (`scratch_slot`) with its own pool block:
+a compiled decode step runs at a fixed batch size (horizon.engine.runner pads to a bucket), and its
+padding rows read and write there, never in a real sequence's state or rows.
 """
 
 from __future__ import annotations
@@ -63,6 +67,7 @@ class LatentCache:
                  dtype: torch.dtype, device):
         rows = num_blocks * block_size
         self.block_table, self.block_size = block_table, block_size  # shared with HorizonCache
+        rows += block_size  # the scratch slot's block (see the module docstring)
         self.latent = torch.zeros(rows, cfg.kv_lora_rank + cfg.qk_rope_head_dim, dtype=dtype, device=device)
         self.index = torch.zeros(rows, cfg.index_head_dim, dtype=dtype, device=device) if cfg.index_n_heads else None
 
@@ -155,19 +160,24 @@ class HorizonCache:
             table = torch.arange(self.num_blocks, device=device).view(num_slots, self.max_blocks)
         else:
             table = torch.full((num_slots, self.max_blocks), -1, dtype=torch.long, device=device)
-        self.block_table = table
-        self.lens = torch.zeros(num_slots, dtype=torch.long, device=device)
+        # the scratch slot: every position maps to block num_blocks, the one past the pool's real blocks
+        scratch = torch.full((1, self.max_blocks), self.num_blocks, dtype=torch.long, device=device)
+        self.full_table = torch.cat((table, scratch))  # what the layers index (the scratch slot included)
+        self.block_table = self.full_table[:num_slots]  # a view: the engine's slots
+        self.scratch_slot = num_slots
+        self.full_lens = torch.zeros(num_slots + 1, dtype=torch.long, device=device)  # the scratch slot's too
+        self.lens = self.full_lens[:num_slots]  # a view: tokens cached per engine slot
         self.layers: list[KDAStateCache | LatentCache] = [
-            KDAStateCache(cfg, num_slots, dtype, device) if kind == "kda"
-            else LatentCache(cfg, self.block_table, block_size, self.num_blocks, dtype, device)
+            KDAStateCache(cfg, num_slots + 1, dtype, device) if kind == "kda"
+            else LatentCache(cfg, self.full_table, block_size, self.num_blocks, dtype, device)
             for kind in cfg.layer_types
         ]
 
     def check_capacity(self, batch: Batch) -> None:
         """Every new token must have a pool block: a clear error instead of a silent overwrite."""
         end = batch.start + batch.lens
-        if int(end.max()) > self.max_len:
-            raise ValueError(f"the batch needs {int(end.max())} cached positions but the cache holds "
+        if batch.max_ctx > self.max_len:
+            raise ValueError(f"the batch needs {batch.max_ctx} cached positions but the cache holds "
                              f"max_len={self.max_len}")
         if not self.static:
             last = (end - 1).clamp(min=0) // self.block_size
@@ -209,10 +219,9 @@ class HorizonCache:
     # --- sizes ---------------------------------------------------------------------------------------
     def bytes_per_token(self) -> int:
         """DSA cache bytes one token occupies, summed over the DSA layers (from the allocated pools)."""
-        rows = self.num_blocks * self.block_size
-        return sum(t.nbytes // rows for layer in self.latent_layers() for t in (layer.latent, layer.index)
+        return sum(t.nbytes // t.shape[0] for layer in self.latent_layers() for t in (layer.latent, layer.index)
                    if t is not None)
 
     def state_bytes_per_slot(self) -> int:
         """KDA bytes one sequence occupies (states + convolution tails), constant in the context."""
-        return sum((layer.state.nbytes + layer.conv.nbytes) // self.num_slots for layer in self.kda_layers())
+        return sum((layer.state.nbytes + layer.conv.nbytes) // layer.state.shape[0] for layer in self.kda_layers())

@@ -19,6 +19,11 @@ When every query sees at most `index_topk` positions the selection is everything
 layer runs plain dense causal attention and skips the indexer.
 
 Finally each head's output is multiplied by sigmoid(G x) (low-rank G) before W_o.
+
+The layers hold no per-call state: the attention form, the selection rule and the probes a caller
+wants (recorded selections, coverage, the indexer's training inputs) come in a `ForwardOptions`
+(horizon.model.options), and results go back through its dicts. The indexer's training objective
+lives with the trainer (horizon.train.indexer).
 """
 
 from __future__ import annotations
@@ -33,6 +38,7 @@ from horizon.config import ModelConfig
 from horizon.model.batch import Batch
 from horizon.model.cache import StepContext
 from horizon.model.layers import RMSNorm, apply_rope, rope_softmax_factor
+from horizon.model.options import ForwardOptions, IndexerTap
 
 # Elements of one query tile's working set ([B, tile, H_I, L] indexer scores, [B, tile, k, width]
 # gathered rows); bounds the sparse path's memory whatever the context length.
@@ -49,6 +55,8 @@ def topk_recent_first(scores: torch.Tensor, k: int) -> torch.Tensor:
     `_topk_by_score_then_position`. Rows whose k-th value is -inf see fewer than k positions: they
     keep all of them whatever the tie order, and their remaining picks are invisible (masked out).
     """
+    if torch.compiler.is_compiling():  # no host sync inside a graph: always the exact integer top-k
+        return _topk_by_score_then_position(scores, k)
     top = scores.topk(k, dim=-1, sorted=False)
     cut = top.values.min(-1, keepdim=True).values  # the k-th largest value of each row
     tied = ((scores >= cut).sum(-1) > k) & (cut.squeeze(-1) > -math.inf)
@@ -77,6 +85,10 @@ def gather_selected(ctx, batch: Batch, idx: torch.Tensor) -> torch.Tensor:
     return ctx.gather(batch, idx)
 
 
+# what a forward without options does: never written to (every output flag is off)
+DEFAULT_OPTIONS = ForwardOptions()
+
+
 def masked_softmax(scores: torch.Tensor, visible: torch.Tensor) -> torch.Tensor:
     """Softmax over the last dim (fp32) restricted to `visible`; rows with nothing visible give zeros."""
     scores = scores.float().masked_fill(~visible, -math.inf)
@@ -94,9 +106,6 @@ class LightningIndexer(nn.Module):
         self.wk = nn.Linear(cfg.hidden_size, self.head_dim, bias=False)
         self.k_norm = nn.LayerNorm(self.head_dim, eps=1e-6)
         self.weights_proj = nn.Linear(cfg.hidden_size, self.n_heads, bias=False)
-        # "recent": ignore the scores and keep the topk most recent positions (the ablation baseline that
-        # shows what the learned selection is worth, e.g. `horizon eval --selection recent`)
-        self.selection = "indexer"
 
     def _rope(self, x: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
         if not self.rope_dim:
@@ -133,15 +142,17 @@ class LightningIndexer(nn.Module):
         w = (w.float() * self.head_dim**-0.5).reshape(B * t, 1, H)
         return torch.bmm(w, s).view(B, t, -1)  # sum over heads: [B*t, 1, H] @ [B*t, H, L]
 
-    def select(self, q, w, keys, q_pos, ctx_len, k: int) -> torch.Tensor:
+    def select(self, q, w, keys, q_pos, ctx_len, k: int, selection: str = "indexer") -> torch.Tensor:
         """Top-k visible positions [B, t, k] for queries q [B, t, H_I, d_I] at positions q_pos [B, t].
 
         Position s is visible to a query at p when s <= p and s < ctx_len[b]; invisible positions
-        score -inf, so they are chosen only when fewer than k positions are visible.
+        score -inf, so they are chosen only when fewer than k positions are visible. selection
+        "recent" ignores the scores and keeps the k most recent visible positions (the ablation
+        baseline that shows what the learned selection is worth: `horizon eval --selection recent`).
         """
         s_pos = torch.arange(keys.shape[1], device=keys.device)
         visible = (s_pos <= q_pos[..., None]) & (s_pos < ctx_len[:, None, None])
-        if self.selection == "recent":  # score = position: the top-k are the most recent visible ones
+        if selection == "recent":  # score = position: the top-k are the most recent visible ones
             return topk_recent_first(s_pos.float().expand_as(visible).masked_fill(~visible, -math.inf), k)
         sc = self.scores(q, w, keys)  # [B, t, L]
         return topk_recent_first(sc.masked_fill(~visible, -math.inf), k)
@@ -173,19 +184,6 @@ class GatedDSA(nn.Module):
             self.gate_a = nn.Linear(d, self.gate_rank, bias=False)
             self.gate_b = nn.Linear(self.gate_rank, H * self.v_dim, bias=False)
         self.indexer = LightningIndexer(cfg) if cfg.index_n_heads else None
-        # "auto": expanded for dense prefill, absorbed for decode and for sparse selection.
-        # Tests force one form to check that both give the same numbers.
-        self.attn_form = "auto"
-        self.record_selection = False  # keep the last [B, T, k] selection in `last_selection` (tests)
-        # the engine's sampled statistic: the share of dense attention mass the selection keeps
-        self.measure_coverage = False
-        self.last_coverage: float | None = None
-        # training the indexer (docs/design.md §1.2), forwards without cache only: None | "dense" (warm-up: KL over
-        # every visible position) | "sparse" (KL over the selected set); the loss lands in indexer_loss
-        self.indexer_training: str | None = None
-        self.force_dense = False  # attend densely whatever the indexer's topk (the warm-up stage)
-        self.indexer_loss: torch.Tensor | None = None
-        self.indexer_stats: dict[str, float] = {}
 
     # --- projections -------------------------------------------------------------------------
     def project(self, x: torch.Tensor, positions: torch.Tensor):
@@ -274,11 +272,15 @@ class GatedDSA(nn.Module):
         o_lat = torch.einsum(f"bths,{sub}->bthr", probs, rows)[..., : self.kv_rank]
         return torch.einsum("bthr,hvr->bthv", o_lat.float(), w_uv.float())  # W_kvb's value part on the output
 
-    def _sparse(self, x, c_q, q_nope, q_pe, ctx, batch, q_pos, ctx_len, form):
-        """Indexer selection + attention over the selected rows, a tile of queries at a time.
+    def _sparse(self, x, c_q, q_nope, q_pe, ctx, batch, q_pos, ctx_len, form, options: ForwardOptions,
+                keep_picks: bool) -> tuple[torch.Tensor, torch.Tensor | None]:
+        """Indexer selection + attention over the selected rows, a tile of queries at a time; returns the
+        output and, with keep_picks, the selection [B, T, k] (else None).
 
         A tile's working set is [B, tile, H_I, L] for the scores and [B, tile, k, width] for the
-        gathered rows, so memory stays O(T * k) however long the context.
+        gathered rows, so memory stays O(T * k) however long the context. With options.measure_coverage
+        the share of dense attention mass the selection keeps goes to options.coverage[layer_idx]
+        (averaged over the tiles by their query count).
         """
         k = self.indexer.topk
         qi, wi = self.indexer.queries(x, c_q, batch.positions)
@@ -288,25 +290,28 @@ class GatedDSA(nn.Module):
         width = self.kv_rank + self.rope
         if form == "expanded":  # gathers expanded keys and values: H * (nope + rope + v) per row
             width = self.num_heads * (self.nope + self.rope + self.v_dim)
-        tile = max(1, INDEX_TILE_ELEMENTS // max(1, B * max(self.indexer.n_heads * L, k * width)))
+        # one tile for a decode step: T = 1, and a loop bound computed from the context length would tie a
+        # compiled graph to that length
+        tile = 1 if T == 1 else max(1, INDEX_TILE_ELEMENTS // max(1, B * max(self.indexer.n_heads * L, k * width)))
         rows = ctx.rows(batch) if form == "expanded" else None
-        outs, picks = [], []
+        outs, picks, covered = [], [], 0.0
         for t0 in range(0, T, tile):
             sl = slice(t0, t0 + tile)
-            idx = self.indexer.select(qi[:, sl], wi[:, sl], keys, q_pos[:, sl], ctx_len, k)  # [B, t, k]
+            idx = self.indexer.select(qi[:, sl], wi[:, sl], keys, q_pos[:, sl], ctx_len, k,
+                                      options.selection)  # [B, t, k]
             visible = (idx <= q_pos[:, sl, None]) & (idx < ctx_len[:, None, None])
             if form == "expanded":
                 outs.append(self._expanded_sparse(q_nope[:, sl], q_pe[:, sl], rows, idx, visible))
             else:
                 outs.append(self._absorbed(q_nope[:, sl], q_pe[:, sl], gather_selected(ctx, batch, idx), visible))
-            if self.record_selection:
+            if keep_picks:
                 picks.append(idx)
-            if self.measure_coverage:
-                self.last_coverage = self._coverage(q_nope[:, sl], q_pe[:, sl], ctx.rows(batch), idx,
-                                                    q_pos[:, sl], ctx_len)
-        if self.record_selection:
-            self.last_selection = torch.cat(picks, dim=1)
-        return torch.cat(outs, dim=1)
+            if options.measure_coverage:
+                covered += idx.shape[1] * self._coverage(q_nope[:, sl], q_pe[:, sl], ctx.rows(batch), idx,
+                                                         q_pos[:, sl], ctx_len)
+        if options.measure_coverage:
+            options.coverage[self.layer_idx] = covered / T
+        return torch.cat(outs, dim=1), (torch.cat(picks, dim=1) if keep_picks else None)
 
     def _dense_probs(self, q_nope, q_pe, rows, q_pos, ctx_len) -> tuple[torch.Tensor, torch.Tensor]:
         """(dense attention probabilities [B, t, H, L] in fp32, visible [B, t, L]): what full attention does."""
@@ -324,48 +329,15 @@ class GatedDSA(nn.Module):
         chosen = torch.zeros_like(visible).scatter_(-1, idx.clamp(max=rows.shape[1] - 1), True) & visible
         return float((probs * chosen[:, :, None, :]).sum(-1).mean())
 
-    def indexer_objective(self, x, c_q, q_nope, q_pe, rows, batch: Batch, q_pos, ctx_len,
-                          selected: torch.Tensor | None) -> tuple[torch.Tensor, dict[str, float]]:
-        """The indexer's training loss (docs/design.md §1.2) and its recall statistics, for a forward without cache.
-
-        Target: the dense attention distribution summed over heads (renormalised), detached. The
-        indexer sees detached inputs, so this loss trains the indexer alone. selected=None (warm-up):
-        KL over every visible position; else (sparse stage) over the selected positions only, both
-        distributions renormalised on them. Recall: the target's mass on the indexer's top-k, and on
-        the index_topk most recent positions (the baseline), averaged over queries that see more
-        than index_topk positions.
-        """
-        with torch.no_grad():
-            probs, visible = self._dense_probs(q_nope.detach(), q_pe.detach(), rows.detach(), q_pos, ctx_len)
-            target = probs.sum(2)
-            target = target / target.sum(-1, keepdim=True).clamp_min(1e-30)  # [B, t, L]
-        qi, wi = self.indexer.queries(x.detach(), c_q.detach(), batch.positions)
-        keys = batch.pad(self.indexer.keys(x.detach(), batch.positions))  # [B, L, d_I]
-        scores = self.indexer.scores(batch.pad(qi), batch.pad(wi), keys)  # [B, t, L]
-        real = torch.arange(q_pos.shape[1], device=x.device)[None, :] < batch.lens[:, None]  # [B, t]
-        on = visible if selected is None else visible & torch.zeros_like(visible).scatter_(
-            -1, selected.clamp(max=visible.shape[-1] - 1), True)
-        t = torch.where(on, target, 0.0)
-        t = t / t.sum(-1, keepdim=True).clamp_min(1e-30)
-        log_q = torch.log_softmax(scores.float().masked_fill(~on, -math.inf), -1)
-        kl = torch.where(on & (t > 0), t * (t.clamp_min(1e-30).log() - log_q), 0.0).sum(-1)  # [B, t]
-        loss = (kl * real).sum() / real.sum().clamp_min(1)
-        stats = {}
-        with torch.no_grad():
-            k = self.indexer.topk
-            crowded = real & (visible.sum(-1) > k)
-            if bool(crowded.any()):
-                top = topk_recent_first(scores.detach().float().masked_fill(~visible, -math.inf), k)
-                mass = torch.gather(target, -1, top.clamp(max=visible.shape[-1] - 1)).sum(-1)
-                recent = (q_pos[..., None] - torch.arange(k, device=x.device)).clamp_min(0)
-                base = torch.gather(target, -1, recent).sum(-1)
-                stats = {"recall": float(mass[crowded].mean()), "recent_recall": float(base[crowded].mean()),
-                         "queries": int(crowded.sum())}
-        return loss, stats
-
     # --- forward -------------------------------------------------------------------------------
-    def forward(self, x: torch.Tensor, batch: Batch, cache=None) -> torch.Tensor:
-        """x [N, d] (flat tokens) -> [N, d]; appends this step's rows to `cache` if given."""
+    def forward(self, x: torch.Tensor, batch: Batch, cache=None, options: ForwardOptions | None = None) -> torch.Tensor:
+        """x [N, d] (flat tokens) -> [N, d]; appends this step's rows to `cache` if given.
+
+        options (None: the defaults) says how to attend and what to report (horizon.model.options);
+        this writes into its dicts only when the matching flag is set.
+        """
+        if options is None:
+            options = DEFAULT_OPTIONS
         q_nope, q_pe, c_q, latent = self.project(x, batch.positions)
         index_keys = self.indexer.keys(x, batch.positions) if self.indexer is not None else None
         if cache is not None:
@@ -379,9 +351,11 @@ class GatedDSA(nn.Module):
         q_pos = batch.padded_positions()  # [B, T]
         ctx_len = batch.start + batch.lens  # [B]
         decode = cache is not None and batch.max_len == 1
-        form = self.attn_form
-        if self.indexer is None or self.indexer.topk >= L or self.force_dense:
-            # every visible position is selected: exactly dense causal attention
+        # "auto": expanded for dense prefill, absorbed for decode and for sparse selection
+        form = options.attn_form
+        selected = None
+        if self.indexer is None or self.indexer.topk >= L or options.selection == "dense":
+            # every visible position is selected (or the caller attends to all of them): dense causal attention
             s_pos = torch.arange(L, device=x.device)
             visible = (s_pos <= q_pos[..., None]) & (s_pos < ctx_len[:, None, None])  # [B, T, L]
             rows = ctx.rows(batch)
@@ -392,13 +366,15 @@ class GatedDSA(nn.Module):
                 plain_causal = batch.uniform and batch.max_ctx == batch.max_len
                 o = self._expanded_dense(q_nope, q_pe, rows, visible, plain_causal=plain_causal)
         else:
-            if self.indexer_training == "sparse":
-                self.record_selection = True
-            o = self._sparse(x, c_q, q_nope, q_pe, ctx, batch, q_pos, ctx_len, form)
-        if self.indexer_training is not None and self.indexer is not None and cache is None:
-            selected = self.last_selection if self.indexer_training == "sparse" and self.indexer.topk < L else None
-            self.indexer_loss, self.indexer_stats = self.indexer_objective(
-                x, c_q, q_nope, q_pe, ctx.rows(batch), batch, q_pos, ctx_len, selected)
+            tap = options.indexer_inputs and cache is None
+            o, selected = self._sparse(x, c_q, q_nope, q_pe, ctx, batch, q_pos, ctx_len, form, options,
+                                       keep_picks=options.record_selection or tap)
+            if options.record_selection:
+                options.selections[self.layer_idx] = selected
+        if options.indexer_inputs and cache is None and self.indexer is not None:
+            # what the indexer's objective (horizon.train.indexer) needs; the trainer computes the loss
+            options.indexer_taps[self.layer_idx] = IndexerTap(x, c_q, q_nope, q_pe, ctx.rows(batch), batch, q_pos,
+                                                              ctx_len, selected)
         o = batch.unpad(o).to(x.dtype)  # [N, H, v]
         if self.gate_rank:
             o = o * torch.sigmoid(self.gate_b(self.gate_a(x))).view_as(o)

@@ -191,8 +191,11 @@ class KimiDeltaAttention(nn.Module):
         o[dec, :1], o[pre, :Tp] = od, op
         return o, new_state
 
-    def forward(self, x: torch.Tensor, batch: Batch, cache=None) -> torch.Tensor:
-        """x [N, d] (flat tokens) -> [N, d]; reads and updates this layer's state in `cache` if given."""
+    def forward(self, x: torch.Tensor, batch: Batch, cache=None, options=None) -> torch.Tensor:
+        """x [N, d] (flat tokens) -> [N, d]; reads and updates this layer's state in `cache` if given.
+
+        options (horizon.model.options) holds the DSA layers' per-call modes: KDA has none, and takes it
+        only so every mixer is called alike."""
         H, dk = self.num_heads, self.head_dim
         P = H * dk
         layer_cache = cache.layers[self.layer_idx] if cache is not None else None

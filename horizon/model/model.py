@@ -13,6 +13,8 @@ Two ways in:
   from where they stopped, so prefill in chunks followed by decode one token at a time gives the
   logits of one full forward. Returns fp32 logits [B, T, V] (garbage at padded positions).
 - `model.forward_batch(tokens [N], batch, cache)`: the varlen form the engine uses (horizon.model.batch).
+Both take `options` (horizon.model.options.ForwardOptions; None: the defaults), the per-call attention
+modes and probes, passed down to every mixer.
 """
 
 from __future__ import annotations
@@ -29,6 +31,7 @@ from horizon.model.dsa import GatedDSA
 from horizon.model.kda import KimiDeltaAttention
 from horizon.model.layers import MLP, RMSNorm
 from horizon.model.moe import MoE, Router
+from horizon.model.options import ForwardOptions
 from horizon.model.vision import VisionEncoder
 
 
@@ -41,15 +44,17 @@ class Block(nn.Module):
         self.mlp_norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
         self.mlp = MoE(cfg) if cfg.is_moe_layer(layer_idx) else MLP(cfg.hidden_size, cfg.intermediate_size)
 
-    def forward(self, h: torch.Tensor, batch: Batch, cache: HorizonCache | None) -> torch.Tensor:
+    def forward(self, h: torch.Tensor, batch: Batch, cache: HorizonCache | None,
+                options: ForwardOptions | None = None) -> torch.Tensor:
         x = self.attn_norm(h)
         parts = batch.split_decode() if cache is not None else []  # only engine steps mix decode and prefill
         if len(parts) < 2:
-            mixed = self.attn(x, batch, cache)
+            # options by keyword: forward pre-hooks (tests, tools) keep seeing (x, batch, cache)
+            mixed = self.attn(x, batch, cache, options=options)
         else:  # decode rows and prompt chunks go through the mixer apart (Batch.split_decode)
             mixed = torch.empty_like(x)
             for sub, idx in parts:
-                mixed[idx] = self.attn(x[idx], sub, cache)
+                mixed[idx] = self.attn(x[idx], sub, cache, options=options)
         h = h + mixed
         return h + self.mlp(self.mlp_norm(h))
 
@@ -137,13 +142,15 @@ class HorizonForCausalLM(nn.Module):
 
     def forward_batch(self, tokens: torch.Tensor, batch: Batch, cache: HorizonCache | None = None,
                       last_only: bool = False, image_embeds: torch.Tensor | None = None,
-                      image_mask: torch.Tensor | None = None) -> torch.Tensor:
+                      image_mask: torch.Tensor | None = None, options: ForwardOptions | None = None) -> torch.Tensor:
         """Varlen forward: tokens [N] laid out by `batch` -> fp32 logits [N, V] ([B, V] with last_only).
 
         image_mask [N] marks image placeholder positions; image_embeds [mask.sum(), hidden] replace their
-        token embeddings, in order.
+        token embeddings, in order. options: the per-call attention modes and probes (None: the defaults).
         """
-        if cache is not None:
+        if options is not None:
+            options.validate()
+        if cache is not None and not torch.compiler.is_compiling():  # the runner checks before a compiled step
             cache.check_capacity(batch)
         if batch.max_ctx > self.config.max_position_embeddings:
             raise ValueError(f"context of {batch.max_ctx} tokens exceeds the model's window "
@@ -156,20 +163,21 @@ class HorizonForCausalLM(nn.Module):
                 raise ValueError(f"image_embeds must be [{n}, {h.shape[-1]}] for {n} image positions, got {got}")
             h = h.masked_scatter(image_mask[:, None], image_embeds.to(h.dtype))
         for block in self.layers:
-            h = block(h, batch, cache)
+            h = block(h, batch, cache, options)
         if cache is not None:
-            cache.lens[batch.slots] += batch.lens
+            cache.full_lens[batch.slots] += batch.lens
         if last_only:
             h = h[torch.cumsum(batch.lens, 0) - 1]
         return self.lm_head(self.norm(h)).float()
 
     def forward(self, input_ids: torch.Tensor, cache: HorizonCache | None = None,
                 lengths: torch.Tensor | list[int] | None = None, image_embeds: torch.Tensor | None = None,
-                image_mask: torch.Tensor | None = None) -> torch.Tensor:
+                image_mask: torch.Tensor | None = None, options: ForwardOptions | None = None) -> torch.Tensor:
         """input_ids [B, T] right-padded -> fp32 logits [B, T, V]; continues cache slots 0..B-1 if given.
 
         image_mask [B, T] marks image placeholders; image_embeds [mask.sum(), hidden] fill them in
         row-major order (e.g. torch.cat(model.encode_images(images)) for the images in prompt order).
+        options: the per-call attention modes and probes (horizon.model.options; None: the defaults).
         """
         if input_ids.dim() != 2:
             raise ValueError(f"input_ids must be [batch, seq], got shape {tuple(input_ids.shape)}")
@@ -192,7 +200,8 @@ class HorizonForCausalLM(nn.Module):
             raise ValueError(f"image_mask must have input_ids' shape {tuple(input_ids.shape)}, "
                              f"got {tuple(image_mask.shape)}")
         mask = image_mask[valid] if image_mask is not None else None
-        logits = self.forward_batch(input_ids[valid], batch, cache, image_embeds=image_embeds, image_mask=mask)
+        logits = self.forward_batch(input_ids[valid], batch, cache, image_embeds=image_embeds, image_mask=mask,
+                                    options=options)
         return batch.pad(logits)
 
     def num_parameters(self) -> int:

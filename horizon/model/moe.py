@@ -10,7 +10,9 @@ moves each bias by gamma * sign(mean load - load) (centred, so the biases do not
 the token loads counted since the previous call (all-reduced when torch.distributed is running).
 
 Dispatch sorts the (token, expert) assignments by expert and runs one matmul per expert that has
-tokens: a loop over experts, never over tokens.
+tokens: a loop over experts, never over tokens. That loop needs the counts on the host (one sync a
+layer), so inside a compiled graph (horizon.engine.runner's decode step) it runs as one opaque custom
+op (`horizon::routed_experts`), which the trace does not enter.
 """
 
 from __future__ import annotations
@@ -22,6 +24,48 @@ from torch import nn
 
 from horizon.config import ModelConfig
 from horizon.model.layers import MLP
+
+
+def swiglu_expert(gate_up: torch.Tensor, down: torch.Tensor, x: torch.Tensor) -> torch.Tensor:
+    """One SwiGLU expert: gate_up [2f, d], down [d, f], x [n, d] -> [n, d]."""
+    gate, up = F.linear(x, gate_up).chunk(2, dim=-1)
+    return F.linear(F.silu(gate) * up, down)
+
+
+def dispatch(x: torch.Tensor, weights: torch.Tensor, idx: torch.Tensor, n_experts: int,
+             expert) -> tuple[torch.Tensor, torch.Tensor]:
+    """x [N, d], weights / idx [N, k] -> (sum_k weight * expert(e, x) [N, d], tokens per expert [E]).
+
+    Sorts the assignments by expert and calls `expert(e, rows)` once per expert that has tokens.
+    """
+    k = idx.shape[1]
+    flat = idx.flatten()
+    order = flat.argsort(stable=True)  # assignments grouped by expert
+    counts = torch.bincount(flat, minlength=n_experts)
+    token = order // k
+    xs = x[token]
+    out = torch.empty_like(xs)
+    start = 0
+    for e, n in enumerate(counts.tolist()):  # one host sync; a loop over experts, not tokens
+        if n:
+            out[start:start + n] = expert(e, xs[start:start + n])
+            start += n
+    out = out * weights.flatten()[order, None].to(out.dtype)
+    return torch.zeros_like(x).index_add_(0, token, out), counts
+
+
+@torch.library.custom_op("horizon::routed_experts", mutates_args=())
+def routed_experts(x: torch.Tensor, weights: torch.Tensor, idx: torch.Tensor, gate_up: torch.Tensor,
+                   down: torch.Tensor) -> torch.Tensor:
+    """`dispatch` over stacked experts as one opaque op: inside a compiled graph (horizon.engine.runner's
+    decode step) its host sync (the counts) and its loop stay out of the trace, so the graph has no break.
+    The loop is already the fastest CPU form (torch._grouped_mm visits all E groups)."""
+    return dispatch(x, weights, idx, gate_up.shape[0], lambda e, xs: swiglu_expert(gate_up[e], down[e], xs))[0]
+
+
+@routed_experts.register_fake
+def _(x, weights, idx, gate_up, down):
+    return torch.empty_like(x)
 
 
 class Router(nn.Module):
@@ -70,29 +114,34 @@ class Experts(nn.Module):
         self.down_proj = nn.Parameter(torch.empty(n_experts, dim, hidden))
 
     def expert(self, e: int, x: torch.Tensor) -> torch.Tensor:
-        gate, up = F.linear(x, self.gate_up_proj[e]).chunk(2, dim=-1)
-        return F.linear(F.silu(gate) * up, self.down_proj[e])
+        return swiglu_expert(self.gate_up_proj[e], self.down_proj[e], x)
 
     def forward(self, x: torch.Tensor, weights: torch.Tensor, idx: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        """x [N, d], weights / idx [N, k] -> (sum_k weight * expert(x) [N, d], tokens per expert [E]).
+        """x [N, d], weights / idx [N, k] -> (sum_k weight * expert(x) [N, d], tokens per expert [E] or None).
 
         Touches the weights only through `self.expert(e, x)`: MXFP4Experts (horizon.quant) reuses
-        this dispatch and dequantises inside `expert`, one routed expert at a time.
+        this dispatch. Inside a compiled graph the same computation runs as one opaque op (`sync_free`).
         """
-        k = idx.shape[1]
+        if torch.compiler.is_compiling():
+            return self.sync_free(x, weights, idx), None
+        return dispatch(x, weights, idx, self.n_experts, self.expert)
+
+    def sync_free(self, x: torch.Tensor, weights: torch.Tensor, idx: torch.Tensor) -> torch.Tensor:
+        """forward's sum with nothing read back to the host (for compiled graphs).
+
+        Few assignments (a decode step: N * k <= 2E): each (token, expert) pair as a product-and-sum
+        that indexes the expert's rows directly, which inductor fuses into one loop streaming the weights
+        (35 GB/s on 2 cores against 9 for a [1, 512] x [512, 1024] sgemv per expert, measured). It reads
+        an expert once per token routed to it, so past that size the opaque per-expert loop is cheaper.
+        """
+        N, k = idx.shape
+        if N * k > 2 * self.n_experts:
+            return routed_experts(x, weights, idx, self.gate_up_proj, self.down_proj)
         flat = idx.flatten()
-        order = flat.argsort(stable=True)  # assignments grouped by expert
-        counts = torch.bincount(flat, minlength=self.n_experts)
-        token = order // k
-        xs = x[token]
-        out = torch.empty_like(xs)
-        start = 0
-        for e, n in enumerate(counts.tolist()):  # one host sync; a loop over experts, not tokens
-            if n:
-                out[start:start + n] = self.expert(e, xs[start:start + n])
-                start += n
-        out = out * weights.flatten()[order, None].to(out.dtype)
-        return torch.zeros_like(x).index_add_(0, token, out), counts
+        xs = x.repeat_interleave(k, dim=0)  # row t * k + j: token t for its j-th expert
+        gate, up = (xs[:, None, :] * self.gate_up_proj[flat]).sum(-1).chunk(2, dim=-1)
+        out = ((F.silu(gate) * up)[:, None, :] * self.down_proj[flat]).sum(-1)
+        return (out.view(N, k, -1) * weights[..., None].to(out.dtype)).sum(1)
 
 
 class MoE(nn.Module):
@@ -109,7 +158,7 @@ class MoE(nn.Module):
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         weights, idx = self.gate(x)
         y, counts = self.experts(x, weights, idx)
-        if self.training:
+        if self.training and counts is not None:
             self.load += counts
         if self.shared_experts is not None:
             y = y + self.shared_experts(x)

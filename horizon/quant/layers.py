@@ -3,8 +3,12 @@
 - `MXFP4Experts` replaces `horizon.model.moe.Experts` (same `forward(x, weights, idx)` and
   `expert(e, x)`): the stacked gate_up_proj [E, 2f, d] and down_proj [E, d, f] are held as
   `<name>_blocks` uint8 [E, rows, ceil(cols/32), 16] and `<name>_scales` uint8 [E, rows, ceil(cols/32)]
-  (transformers' gpt-oss naming). An expert is dequantised into the activation dtype only when a step
-  routes tokens to it, one expert at a time, so no full-precision copy of all experts ever exists.
+  (transformers' gpt-oss naming). Compute goes through the fused kernel `horizon::mxfp4_expert_matmul`
+  (horizon.quant.kernels), which decodes the packed bytes in registers, so the weights are never
+  expanded; where the kernel is unavailable an expert is dequantised into the activation dtype only when
+  a step routes tokens to it, one expert at a time, so no full-precision copy of all experts ever exists.
+  `forward` is Experts' eager dispatch (a host sync for the counts); `sync_free` is the same MoE
+  output as two kernel calls with no host sync, for compiled graphs.
 - `MXFP4Linear` does the same for one `nn.Linear` (`weight_blocks` / `weight_scales`, bias kept as is).
 - `quantize_model(model)` swaps every `Experts` in place for its MXFP4 form (and, with attention=True,
   the attention projections in `ATTENTION_PROJECTIONS`); `empty_quantized_model(model)` swaps in
@@ -23,6 +27,7 @@ from torch import nn
 from horizon.model.dsa import GatedDSA
 from horizon.model.kda import KimiDeltaAttention
 from horizon.model.moe import Experts
+from horizon.quant.kernels import kernel_available, mxfp4_matmul
 from horizon.quant.mxfp4 import BLOCK, BLOCK_BYTES, dequantize, quantize
 
 # The attention projections `quantize_model(attention=True)` stores as MXFP4: the big q/k/v/output
@@ -77,18 +82,65 @@ class MXFP4Experts(nn.Module):
         return dequantize(getattr(self, f"{name}_blocks")[e], getattr(self, f"{name}_scales")[e], dtype, cols)
 
     def expert(self, e: int, x: torch.Tensor) -> torch.Tensor:
+        if x.device.type == "cpu" and kernel_available():
+            # the kernel on expert e's slice (a view, ids all 0): the packed bytes are decoded in registers
+            zeros = torch.zeros(x.shape[0], dtype=torch.long)
+            gate, up = mxfp4_matmul(x, self.gate_up_proj_blocks[e:e + 1], self.gate_up_proj_scales[e:e + 1],
+                                    zeros).to(x.dtype).chunk(2, dim=-1)
+            # rounded to x.dtype between the matmuls, as F.linear in that dtype rounds its output
+            return mxfp4_matmul(F.silu(gate) * up, self.down_proj_blocks[e:e + 1], self.down_proj_scales[e:e + 1],
+                                zeros).to(x.dtype)
         gate, up = F.linear(x, self.weight("gate_up_proj", e, x.dtype)).chunk(2, dim=-1)
         return F.linear(F.silu(gate) * up, self.weight("down_proj", e, x.dtype))
 
     # The dispatch is Experts' own (sort assignments by expert, one call per expert that has tokens);
-    # only expert(e, x) differs, so experts nobody routes to are never dequantised.
+    # only expert(e, x) differs, so experts nobody routes to are never read.
     forward = Experts.forward
+
+    def sync_free(self, x: torch.Tensor, weights: torch.Tensor, idx: torch.Tensor) -> torch.Tensor:
+        """x [N, d], weights / idx [N, k] -> sum_k weight * expert(x) [N, d] in x's dtype, with no host sync.
+
+        Two calls of the fused op over all N*k assignments (it groups rows by expert inside, so each
+        routed expert is decoded once): the form torch.compile traces without a graph break. Computes in
+        fp32 throughout (bf16 x is converted in and the result back). No token counts: training never
+        runs MXFP4 experts.
+        """
+        n, k = idx.shape
+        xs = x.float().repeat_interleave(k, dim=0)  # row j*k + i is token j for its i-th expert
+        flat = idx.flatten()
+        h = mxfp4_matmul(xs, self.gate_up_proj_blocks, self.gate_up_proj_scales, flat)  # [N*k, 2f]
+        gate, up = h.chunk(2, dim=-1)
+        y = mxfp4_matmul(F.silu(gate) * up, self.down_proj_blocks, self.down_proj_scales, flat)  # [N*k, d]
+        return (y.view(n, k, -1) * weights.float()[..., None]).sum(1).to(x.dtype)
+
 
     def extra_repr(self) -> str:
         return f"n_experts={self.n_experts}, dim={self.dim}, hidden={self.hidden}, mxfp4"
 
 
-class MXFP4Linear(nn.Module):
+class PackedLinear(nn.Module):
+    """What the packed stand-ins for nn.Linear share (MXFP4Linear here, horizon.quant.int8.Int8Linear):
+    built with nn.Linear's shape, filled by the subclass's `_pack(weight)`, the bias kept as it was."""
+
+    @classmethod
+    def empty_like(cls, linear: nn.Linear):
+        w = linear.weight
+        return cls(linear.in_features, linear.out_features, linear.bias is not None, w.device, w.dtype)
+
+    @classmethod
+    @torch.no_grad()
+    def from_linear(cls, linear: nn.Linear):
+        new = cls.empty_like(linear)
+        new._pack(linear.weight.detach())
+        if linear.bias is not None:
+            new.bias = linear.bias
+        return new
+
+    def _pack(self, weight: torch.Tensor) -> None:
+        raise NotImplementedError
+
+
+class MXFP4Linear(PackedLinear):
     """y = x W^T + b with W [out, in] held as MXFP4 (`weight_blocks`, `weight_scales`); b stays as it was."""
 
     def __init__(self, in_features: int, out_features: int, bias: bool = False, device=None, dtype=None):
@@ -100,19 +152,8 @@ class MXFP4Linear(nn.Module):
         else:
             self.register_parameter("bias", None)  # as nn.Linear: `bias` exists and is None
 
-    @classmethod
-    def empty_like(cls, linear: nn.Linear) -> MXFP4Linear:
-        w = linear.weight
-        return cls(linear.in_features, linear.out_features, linear.bias is not None, w.device, w.dtype)
-
-    @classmethod
-    @torch.no_grad()
-    def from_linear(cls, linear: nn.Linear) -> MXFP4Linear:
-        new = cls.empty_like(linear)
-        new.weight_blocks, new.weight_scales = _quantized(linear.weight)
-        if linear.bias is not None:
-            new.bias = linear.bias
-        return new
+    def _pack(self, weight: torch.Tensor) -> None:
+        self.weight_blocks, self.weight_scales = _quantized(weight)
 
     @property
     def weight(self) -> torch.Tensor:
@@ -121,6 +162,13 @@ class MXFP4Linear(nn.Module):
         return dequantize(self.weight_blocks, self.weight_scales, torch.float32, self.in_features)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if x.device.type == "cpu" and kernel_available():
+            # the fused kernel with one "expert": the matrix is never expanded
+            rows = x.reshape(-1, x.shape[-1])
+            zeros = torch.zeros(rows.shape[0], dtype=torch.long)
+            y = mxfp4_matmul(rows, self.weight_blocks[None], self.weight_scales[None], zeros)
+            y = y.to(x.dtype).view(*x.shape[:-1], self.out_features)
+            return y if self.bias is None else y + self.bias
         w = dequantize(self.weight_blocks, self.weight_scales, x.dtype, self.in_features)
         return F.linear(x, w, self.bias)
 

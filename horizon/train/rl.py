@@ -48,9 +48,11 @@ from horizon.agent.local import EngineClient
 from horizon.chat.images import decode_conversation, image_parts
 from horizon.checkpoint import open_model
 from horizon.eval import reward_of, run_lockstep, task_tools
+from horizon.model.options import ForwardOptions
 from horizon.tasks import get_domain
 from horizon.train.data import Example, collate, task_example
-from horizon.train.trainer import TrainConfig, Trainer, set_stage
+from horizon.train.indexer import indexer_losses
+from horizon.train.trainer import TrainConfig, Trainer, stage_options
 
 
 class RewardNormalizer:
@@ -206,8 +208,7 @@ class RLTrainer(Trainer):
         self.init = init
         self.reference = None
         if rl.kl_coef > 0:
-            self.reference = copy.deepcopy(model).eval()
-            set_stage(self.reference, "sft")  # no indexer losses in the reference's forwards
+            self.reference = copy.deepcopy(model).eval()  # its forwards take the default options: no indexer taps
             for p in self.reference.parameters():
                 p.requires_grad_(False)
 
@@ -308,7 +309,8 @@ class RLTrainer(Trainer):
         for chunk in chunks:
             owners = torch.tensor([i for i, _ in chunk])
             batch = collate([ex for _, ex in chunk], cfg.max_len, model.config, self.tokenizer.special.image)
-            logp, mask = self._token_logprobs(model, batch, rl.temperature)
+            options = stage_options(cfg.stage)  # "sparse": the indexers' inputs too; "sft": the defaults
+            logp, mask = self._token_logprobs(model, batch, rl.temperature, options)
             pg = -(weight[owners] * logp.sum(-1)).sum()
             loss = pg
             if self.reference is not None:
@@ -321,7 +323,7 @@ class RLTrainer(Trainer):
                 loss = loss + rl.kl_coef * kl / kl_tokens
                 kl_sum += kl.item()
             if self.dsa and rl.indexer_loss:
-                indexer = sum(m.indexer_loss for m in self.dsa if m.indexer_loss is not None) / len(self.dsa)
+                indexer, _ = indexer_losses(self.dsa, options.indexer_taps)
                 loss = loss + indexer / len(chunks)
                 indexer_total += indexer.item() / len(chunks)
             loss.backward()
@@ -344,12 +346,14 @@ class RLTrainer(Trainer):
         return entry
 
     @staticmethod
-    def _token_logprobs(model, batch, temperature: float = 1.0) -> tuple[torch.Tensor, torch.Tensor]:
+    def _token_logprobs(model, batch, temperature: float = 1.0,
+                        options: ForwardOptions | None = None) -> tuple[torch.Tensor, torch.Tensor]:
         """(log-probability of each next token [B, T], 0 where it was not generated; the mask) for a batch,
-        under the sampling temperature: the policy the rollouts were drawn from, so the update is on-policy."""
+        under the sampling temperature: the policy the rollouts were drawn from, so the update is on-policy.
+        options: the forward's (the training stage's: stage_options; None: the defaults)."""
         embeds = torch.cat(model.encode_images(batch["images"])) if batch["images"] else None
         logits = model(batch["ids"], lengths=batch["lengths"], image_embeds=embeds,
-                       image_mask=batch["image_mask"]).float()
+                       image_mask=batch["image_mask"], options=options).float()
         if temperature != 1.0:
             logits = logits / temperature
         targets = batch["targets"]

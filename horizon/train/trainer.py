@@ -38,7 +38,9 @@ from horizon.engine import Engine, EngineConfig
 from horizon.eval import evaluate
 from horizon.model.dsa import GatedDSA
 from horizon.model.moe import balance_moe_bias
+from horizon.model.options import ForwardOptions
 from horizon.train.data import Mixture, collate
+from horizon.train.indexer import indexer_losses
 
 STAGES = ("sft", "dense", "indexer-warmup", "sparse")
 INDEXER_STAGES = ("indexer-warmup", "sparse")  # the stages that train the DSA indexers (the others: LM loss only)
@@ -99,7 +101,8 @@ class TrainConfig:
 
 
 def set_stage(model, stage: str) -> list:
-    """Put the model in a training stage (docs/design.md §1.2); returns its Gated DSA layers.
+    """Put the model's parameters in a training stage (docs/design.md §1.2): which of them train; returns
+    its Gated DSA layers with an indexer. How the stage attends is per forward: `stage_options(stage)`.
 
     sft: everything trains, attention as configured (sparse past index_topk).
     dense: everything trains, attention dense at every length (the dense base model that the indexer
@@ -115,10 +118,15 @@ def set_stage(model, stage: str) -> list:
         raise ValueError(f"stage {stage!r} trains the DSA indexers, but this model has none")
     for name, p in model.named_parameters():
         p.requires_grad_(stage != "indexer-warmup" or ".indexer." in name)
-    for m in dsa:
-        m.indexer_training = {"sft": None, "dense": None, "indexer-warmup": "dense", "sparse": "sparse"}[stage]
-        m.force_dense = stage in ("dense", "indexer-warmup")
     return dsa
+
+
+def stage_options(stage: str) -> ForwardOptions:
+    """A training forward's options in `stage`: dense attention in the dense and warm-up stages, and the
+    indexers' training inputs (indexer_taps, for horizon.train.indexer) in the stages that train them.
+    A fresh object per forward: the taps it collects belong to that forward."""
+    return ForwardOptions(selection="dense" if stage in ("dense", "indexer-warmup") else "indexer",
+                          indexer_inputs=stage in INDEXER_STAGES)
 
 
 def _no_decay(name: str, p: torch.Tensor) -> bool:
@@ -151,19 +159,21 @@ class Trainer:
 
     # --- one step ----------------------------------------------------------------------------------
     def loss(self, batch: dict[str, Any]) -> tuple[torch.Tensor, int]:
-        model = self.model
+        model, stage = self.model, self.config.stage
         embeds = torch.cat(model.encode_images(batch["images"])) if batch["images"] else None
+        options = stage_options(stage)
         with torch.autocast("cpu", dtype=torch.bfloat16, enabled=self.config.bf16):
-            logits = model(batch["ids"], lengths=batch["lengths"], image_embeds=embeds, image_mask=batch["image_mask"])
+            logits = model(batch["ids"], lengths=batch["lengths"], image_embeds=embeds, image_mask=batch["image_mask"],
+                           options=options)
+            if stage in INDEXER_STAGES:  # under the forward's autocast, as the layers' own projections ran
+                indexer, stats = indexer_losses(self.dsa, options.indexer_taps)
         targets = batch["targets"]
         n = int((targets != -100).sum())
         lm = F.cross_entropy(logits.float().flatten(0, 1), targets.flatten(), ignore_index=-100, reduction="sum")
         lm = lm / max(n, 1)
         self.parts = {"lm_loss": lm.item()}
-        if self.config.stage not in INDEXER_STAGES:
+        if stage not in INDEXER_STAGES:
             return lm, n
-        indexer = sum(m.indexer_loss for m in self.dsa if m.indexer_loss is not None) / max(1, len(self.dsa))
-        stats = [m.indexer_stats for m in self.dsa if m.indexer_stats]
         self.parts["indexer_kl"] = indexer.item()
         if stats:  # query-weighted over the DSA layers
             q = sum(st["queries"] for st in stats)
@@ -171,7 +181,7 @@ class Trainer:
             self.parts["recent_recall"] = sum(st["recent_recall"] * st["queries"] for st in stats) / q
         # warm-up: only the indexer learns (everything else is frozen); sparse: the LM loss trains the model
         # and the KL the indexer (its inputs are detached, and top-k selection passes no gradient)
-        return (indexer if self.config.stage == "indexer-warmup" else lm + indexer), n
+        return (indexer if stage == "indexer-warmup" else lm + indexer), n
 
     def step(self) -> dict[str, Any]:
         cfg, model = self.config, self.model

@@ -1,0 +1,149 @@
+"""The seeds' 1M-token context at small scale: the bundled model's shape (`mini`) with its window raised
+to 1,048,576 tokens (its attention has no positional limit: KDA carries position, the DSA layers rotate
+by absolute position), prefilled in chunks and then decoded.
+
+Measures, in one process, through horizon.engine.runner.ModelRunner (eager, and compiled for decode):
+- prefill: a real chunked prefill (--chunk tokens a forward) of random ordinary tokens at each of
+  --prefill-lengths, its seconds and the process's peak RSS growth; then a least-squares fit
+  t(L) = a L + b L^2 over those runs, and what it predicts for 1,048,576 tokens (the lightning
+  indexer scores every past position for every query: O(L^2) work, bounded memory);
+- decode ms/token at each of --decode-lengths with a cache already holding that many tokens. Up to
+  the longest prefill the cache is the real prefill's; past it (1M) the latent and indexer rows are
+  written directly (random rows of the right scale: a decode step's cost does not depend on their
+  values), since the real 1M prefill does not fit a benchmark run on 2 cores (see the prediction);
+- the cache's bytes at 1M: DSA rows per token times tokens, plus the constant KDA state.
+
+    python bench/million.py                    # ~10 minutes on 2 cores
+    python bench/million.py --quick            # smaller lengths (a smoke run)
+
+Prints progress on stderr and one JSON object on the last line of stdout.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import resource
+import statistics
+import time
+
+import torch
+
+from horizon.checkpoint import open_model
+from horizon.engine.runner import ModelRunner, StepInputs
+from horizon.model import HorizonCache
+
+MILLION = 1 << 20
+
+
+def log(msg: str) -> None:
+    print(f"[bench/million {time.strftime('%H:%M:%S')}] {msg}", flush=True, file=__import__("sys").stderr)
+
+
+def rss_mb() -> float:
+    return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024
+
+
+def prefill(runner: ModelRunner, tokens: list[int], chunk: int) -> float:
+    runner.cache.reset([0])
+    t0 = time.perf_counter()
+    for s in range(0, len(tokens), chunk):
+        runner.run(StepInputs([tokens[s: s + chunk]], [s], [0]))
+    return time.perf_counter() - t0
+
+
+def fill_synthetic(cache: HorizonCache, length: int, gen: torch.Generator) -> None:
+    """Slot 0 holds `length` tokens of random rows (a static cache: positions are rows)."""
+    for layer in cache.latent_layers():
+        for t in (layer.latent, layer.index):
+            if t is not None:
+                for s in range(0, length, 1 << 16):  # in slices: no full-length fp32 temporary beside the pool
+                    n = min(1 << 16, length - s)
+                    t[s: s + n] = torch.randn(n, t.shape[1], generator=gen, dtype=t.dtype)
+    for layer in cache.kda_layers():
+        layer.state[0] = torch.randn(layer.state.shape[1:], generator=gen) * 0.1
+    cache.lens[0] = length
+
+
+def decode_ms(runner: ModelRunner, length: int, steps: int) -> float:
+    times = []
+    for i in range(steps):
+        t0 = time.perf_counter()
+        runner.run(StepInputs([[1000 + i]], [length + i], [0]))
+        times.append(time.perf_counter() - t0)
+    runner.cache.lens[0] = length
+    return 1000 * statistics.median(times[1:])
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--threads", type=int, default=2)
+    ap.add_argument("--chunk", type=int, default=2048)
+    ap.add_argument("--prefill-lengths", type=int, nargs="+", default=None)
+    ap.add_argument("--decode-lengths", type=int, nargs="+", default=None)
+    ap.add_argument("--steps", type=int, default=12)
+    ap.add_argument("--no-compile", action="store_true", help="decode eagerly only")
+    ap.add_argument("--quick", action="store_true")
+    args = ap.parse_args()
+    torch.set_num_threads(args.threads)
+    prefill_lengths = args.prefill_lengths or ([1024, 4096] if args.quick else [1024, 8192, 32768])
+    # the last: as close to 1M as leaves room for the decoded tokens inside the 1,048,576-token window
+    decode_lengths = args.decode_lengths or ([1024, 4096, 65536] if args.quick else [1024, 32768, MILLION - 64])
+    bundle = open_model(None)
+    model = bundle.model
+    model.config.max_position_embeddings = MILLION  # no positional limit in the attention: only the window
+    cfg = model.config
+    max_len = min(MILLION, max(decode_lengths) + args.steps + 1)
+    cache = HorizonCache(cfg, 1, max_len, dtype=model.embed.weight.dtype)
+    res = {"bench": "million", "model": bundle.source, "layers": cfg.layer_types, "index_topk": cfg.index_topk,
+           "threads": args.threads, "chunk": args.chunk, "cache_max_len": max_len,
+           "dsa_bytes_per_token": cache.bytes_per_token(), "kda_state_bytes": cache.state_bytes_per_slot(),
+           "rss_mb_after_cache": round(rss_mb(), 1)}
+    res["dsa_cache_bytes_at_1M"] = res["dsa_bytes_per_token"] * MILLION
+    ids = torch.arange(40, 4000)
+    gen = torch.Generator().manual_seed(0)
+    tokens = ids[torch.randint(0, len(ids), (max(prefill_lengths),), generator=gen)].tolist()
+    eager = ModelRunner(model, cache, compile=False)
+    runs = []
+    for L in sorted(prefill_lengths):
+        before = rss_mb()
+        s = prefill(eager, tokens[:L], args.chunk)
+        runs.append({"tokens": L, "seconds": round(s, 2), "tok_per_s": round(L / s, 1),
+                     "peak_rss_mb": round(rss_mb(), 1), "peak_rss_growth_mb": round(rss_mb() - before, 1)})
+        log(f"prefill {L}: {s:.1f} s ({L / s:.0f} tok/s), peak RSS {rss_mb():.0f} MB")
+    # t = a L + b L^2, least squares over the runs
+    A = torch.tensor([[r["tokens"], r["tokens"] ** 2] for r in runs], dtype=torch.float64)
+    y = torch.tensor([r["seconds"] for r in runs], dtype=torch.float64)
+    a, b = torch.linalg.lstsq(A, y[:, None]).solution.flatten().tolist()
+    res["prefill"] = {"runs": runs, "fit_seconds": {"linear_per_token": a, "quadratic_per_token2": b},
+                      "predicted_seconds_at_1M": a * MILLION + b * MILLION**2,
+                      "quadratic_share_at_1M": b * MILLION / (a + b * MILLION)}
+    compiled = None if args.no_compile else ModelRunner(model, cache, compile=True)
+    longest = max(prefill_lengths)
+    decode = []
+    for L in sorted(decode_lengths):
+        if L > longest:
+            fill_synthetic(cache, L, gen)
+        else:
+            prefill(eager, tokens[:L], args.chunk)
+        row = {"context": L, "cache": "synthetic" if L > longest else "prefilled",
+               "eager_ms": round(decode_ms(eager, L, args.steps), 2)}
+        if compiled is not None:
+            decode_ms(compiled, L, 2)  # compiles once (the context is a dynamic size)
+            row["compiled_ms"] = round(decode_ms(compiled, L, args.steps), 2)
+        row["peak_rss_mb"] = round(rss_mb(), 1)
+        decode.append(row)
+        log(f"decode at {L}: {row}")
+    res["decode"] = decode
+    base = decode[0]
+    for row in decode:
+        for k in ("eager_ms", "compiled_ms"):
+            if k in row:
+                row[k.replace("_ms", "_vs_first")] = round(row[k] / base[k], 2)
+    if compiled is not None:
+        res["compile_seconds"] = round(compiled.compile_seconds, 1)
+    print(json.dumps(res))
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,156 @@
+"""ModelRunner: the engine's hands on the model (docs/design.md §4), as in nano-vllm / vLLM.
+
+It owns the model, its device and its paged cache, turns one scheduled step (per sequence: its new
+tokens, where they start, its cache slot) into the varlen inputs, runs the forward and returns one
+row of logits per sequence. The engine above it never builds tensors for the model.
+
+Decode steps (every sequence adds one token, no images) run as compiled graphs (`torch.compile`,
+inductor; on CUDA with CUDA graphs, mode "reduce-overhead"), one per bucketed batch size: the batch
+is padded to the next bucket with rows that live in the cache's scratch slot, as vLLM pads to its
+captured sizes. Inside a graph nothing is read back to the host: the batch layout is built from
+device tensors (Batch.decode), MoE dispatch is a grouped matmul, the indexer's top-k is the exact
+integer form. The context length is a symbolic size, so a growing context does not recompile;
+crossing the indexer's top-k (dense attention below it, sparse selection above) is a second graph.
+Validation (capacity, window) happens here, on host numbers, before the graph runs. Prefill
+chunks and mixed steps run eagerly: they are compute-bound, and their shapes vary step to step.
+
+Eager is the reference: `compile=False` (`horizon serve --enforce-eager`) runs every step through
+`model.forward_batch` directly, and the tests check the compiled step against it.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import time
+from dataclasses import dataclass
+from pathlib import Path
+
+import torch
+
+from horizon.model import Batch, HorizonCache
+from horizon.model.options import ForwardOptions
+
+log = logging.getLogger(__name__)
+
+DEFAULT_BUCKETS = (1, 2, 4, 8, 16, 32, 64, 128, 256)
+# On CPU, inductor may rewrite a one-row matmul (a batch-1 decode projection) as a multiply-and-sum it
+# generates itself: that loop streams a [512 -> 1024] fp32 weight at ~25-35 GB/s on 2 cores where the
+# sgemv call reaches ~10 (measured; the batch-1 step of `small` goes from 34 to 18 ms). Its default
+# size limit (2,048) leaves out the LM head, so it is raised to cover any projection.
+MM_AS_REDUCTION = 1 << 17
+CPU_OPTIONS = {"post_grad_fusion_options": {"decompose_mm_pass": {"cpu_max_other_dimension_decomposition":
+                                                                  MM_AS_REDUCTION}}}
+
+
+@dataclass
+class StepInputs:
+    """One scheduled step on the host: per sequence its new tokens, first position and cache slot."""
+
+    tokens: list[list[int]]
+    starts: list[int]
+    slots: list[int]
+    image_mask: torch.Tensor | None = None  # [sum of new tokens] bool, image placeholder positions
+    image_embeds: torch.Tensor | None = None  # [image_mask.sum(), hidden]
+
+    @property
+    def is_decode(self) -> bool:
+        return self.image_mask is None and all(len(t) == 1 for t in self.tokens)
+
+
+class ModelRunner:
+    def __init__(self, model, cache: HorizonCache, compile: bool = True, buckets: tuple[int, ...] | None = None):
+        self.model, self.cache = model, cache
+        self.device = model.embed.weight.device
+        self.compile = compile
+        limit = cache.num_slots
+        buckets = sorted(set(buckets or DEFAULT_BUCKETS))
+        self.buckets = [b for b in buckets if b < limit] + [limit]  # the largest always fits every slot
+        self._graph = None
+        self.compile_seconds = 0.0  # time spent in steps that compiled a new graph
+        self.graphs_seen: set[tuple[int, bool]] = set()  # (bucket, sparse) pairs compiled so far
+
+    # --- the step -------------------------------------------------------------------------------
+    @torch.inference_mode()
+    def run(self, step: StepInputs, options: ForwardOptions | None = None) -> torch.Tensor:
+        """fp32 logits [B, V]: the next-token distribution after each sequence's last new token.
+
+        `options` (per-call attention modes and probes) other than the defaults run eagerly: a graph is
+        compiled for the defaults only."""
+        lens = [len(t) for t in step.tokens]
+        ends = [s + n for s, n in zip(step.starts, lens, strict=True)]
+        max_ctx = max(ends)
+        if max_ctx > self.model.config.max_position_embeddings:
+            raise ValueError(f"context of {max_ctx} tokens exceeds the model's window "
+                             f"max_position_embeddings={self.model.config.max_position_embeddings}")
+        if max_ctx > self.cache.max_len:
+            raise ValueError(f"the step needs {max_ctx} cached positions but the cache holds "
+                             f"max_len={self.cache.max_len}")
+        if self.compile and step.is_decode and (options is None or options == ForwardOptions()):
+            return self._decode(step, max_ctx)
+        tokens = torch.tensor([t for run in step.tokens for t in run], device=self.device)
+        batch = Batch.build(lens, start=step.starts, slots=step.slots, device=self.device)
+        return self.model.forward_batch(tokens, batch, self.cache, last_only=True, image_embeds=step.image_embeds,
+                                        image_mask=step.image_mask, options=options)
+
+    def bucket(self, batch_size: int) -> int:
+        return next(b for b in self.buckets if b >= batch_size)
+
+    def _decode(self, step: StepInputs, max_ctx: int) -> torch.Tensor:
+        B = len(step.tokens)
+        if not self.cache.static:  # a new block must exist for every row's position (host-side block table)
+            table = self.cache.block_table
+            for slot, pos in zip(step.slots, step.starts, strict=True):
+                if int(table[slot, pos // self.cache.block_size]) < 0:
+                    raise ValueError(f"no cache block assigned for slot {slot} at position {pos}")
+        pad = self.bucket(B) - B
+        scratch = self.cache.scratch_slot
+        # padding rows: position 0 of the scratch slot (their own block; nothing real reads it)
+        tokens = torch.tensor([t[0] for t in step.tokens] + [0] * pad, device=self.device)
+        start = torch.tensor(step.starts + [0] * pad, device=self.device)
+        slots = torch.tensor(step.slots + [scratch] * pad, device=self.device)
+        # the context length travels as a tensor's size, marked dynamic: one graph for every length
+        ctx = torch.empty(max_ctx, 0, device=self.device)
+        torch._dynamo.maybe_mark_dynamic(ctx, 0)
+        key = (B + pad, self._sparse(max_ctx))
+        t0 = time.perf_counter()
+        logits = self._compiled()(tokens, start, slots, ctx)
+        if key not in self.graphs_seen:
+            self.graphs_seen.add(key)
+            self.compile_seconds += time.perf_counter() - t0
+            log.info("compiled the decode step for batch %d (%s attention) in %.1f s", key[0],
+                     "sparse" if key[1] else "dense", time.perf_counter() - t0)
+        return logits[:B]
+
+    def _sparse(self, ctx: int) -> bool:
+        cfg = self.model.config
+        return bool(cfg.index_n_heads) and ctx > cfg.index_topk
+
+    def _compiled(self):
+        if self._graph is None:
+            # inductor's caches (generated kernels, autotuning, FX graphs) outlive the process: a restart
+            # recompiles in a fraction of the first compile's time
+            os.environ.setdefault("TORCHINDUCTOR_CACHE_DIR", str(Path.home() / ".cache" / "horizon" / "inductor"))
+            mode = "reduce-overhead" if self.device.type == "cuda" else None
+            if mode is None:
+                from torch._inductor.fx_passes import decompose_mem_bound_mm
+
+                # the pass reads its limit from the config when first imported: set it here too
+                decompose_mem_bound_mm.cpu_max_other_dimension_decomposition = MM_AS_REDUCTION
+            self._graph = torch.compile(DecodeStep(self.model, self.cache), fullgraph=True, dynamic=False, mode=mode,
+                                        options=None if mode else CPU_OPTIONS)
+        return self._graph
+
+
+
+class DecodeStep(torch.nn.Module):
+    """The compiled region: one decode step from device tensors."""
+
+    def __init__(self, model, cache: HorizonCache):
+        super().__init__()
+        self.model, self.cache = model, cache
+
+    def forward(self, tokens: torch.Tensor, start: torch.Tensor, slots: torch.Tensor,
+                ctx: torch.Tensor) -> torch.Tensor:
+        batch = Batch.decode(start, slots, ctx.shape[0])
+        return self.model.forward_batch(tokens, batch, self.cache)

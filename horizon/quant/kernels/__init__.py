@@ -1,0 +1,170 @@
+"""The fused MXFP4 x activation CPU kernel (`mxfp4.cpp`), JIT-built on first use, and its torch op.
+
+    out = mxfp4_expert_matmul(x, blocks, scales, expert)   # torch.ops.horizon.mxfp4_expert_matmul
+    # x float [M, K]; blocks uint8 [E, N, nb, 16]; scales uint8 [E, N, nb]; expert int64 [M] in [0, E)
+    # out fp32 [M, N]: out[m, n] = sum_k x[m, k] * W_{expert[m]}[n, k], W dequantised exactly (K <= nb*32;
+    # the packed padding past column K is never used)
+
+The op decodes the packed bytes in registers (AVX-512 when the CPU has it, portable C++ otherwise), so
+MXFP4 weights are never expanded to a full-precision matrix. It is one opaque `torch.library.custom_op`
+with a fake (meta) implementation: torch.compile traces through it without a graph break, and the
+grouping of rows by expert (a host-side pass over CPU memory) stays inside it.
+
+Building: `torch.utils.cpp_extension.load` with ninja, lazily on the first call that needs it (never at
+install time), once per process, into $HORIZON_KERNEL_CACHE or ~/.cache/horizon/kernels/<torch>-<source
+hash>. If that fails (no compiler, no ninja) or HORIZON_KERNELS=0, the op falls back to
+`mxfp4_expert_matmul_reference` (pure PyTorch) after one logged warning saying why; inputs off the CPU
+always take the reference.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import logging
+import os
+import shutil
+import sys
+import threading
+from pathlib import Path
+
+import torch
+
+from horizon.quant.mxfp4 import BLOCK, check_packed, dequantize
+
+log = logging.getLogger(__name__)
+
+SOURCE = Path(__file__).with_name("mxfp4.cpp")
+_lock = threading.Lock()
+_built: bool | None = None  # None: not tried yet in this process
+
+
+def _source_hash() -> str:
+    return hashlib.sha256(SOURCE.read_bytes()).hexdigest()[:16]
+
+
+def cache_dir() -> Path:
+    """Where the extension is built: $HORIZON_KERNEL_CACHE, else ~/.cache/horizon/kernels/<torch>-<hash>."""
+    env = os.environ.get("HORIZON_KERNEL_CACHE")
+    if env:
+        return Path(env).expanduser()
+    return Path.home() / ".cache" / "horizon" / "kernels" / f"{torch.__version__}-{_source_hash()}"
+
+
+def _ensure_ninja_on_path() -> None:
+    """torch's load() runs `ninja` from PATH; the pip package's binary is not there when the virtual
+    environment is used without being activated, so put its directory first."""
+    if shutil.which("ninja"):
+        return
+    try:
+        import ninja  # the pip package (a runtime dependency)
+    except ImportError:
+        return  # load() then fails with its own message, which the warning repeats
+    os.environ["PATH"] = ninja.BIN_DIR + os.pathsep + os.environ.get("PATH", "")
+
+
+def _build() -> None:
+    from torch.utils import cpp_extension  # imported here: costs nothing until a kernel is wanted
+
+    _ensure_ninja_on_path()
+    directory = cache_dir()
+    directory.mkdir(parents=True, exist_ok=True)
+    cflags, ldflags = ["-O3", "-std=c++17"], []
+    if sys.platform.startswith("linux") and torch.backends.openmp.is_available():
+        # ATen's parallel_for is OpenMP pragmas in a header: without -fopenmp it would run on one thread
+        cflags.append("-fopenmp")
+        ldflags.append("-fopenmp")
+    cpp_extension.load(name=f"horizon_mxfp4_{_source_hash()}", sources=[str(SOURCE)], extra_cflags=cflags,
+                       extra_ldflags=ldflags, build_directory=str(directory), is_python_module=False,
+                       verbose=False)
+
+
+def kernel_available() -> bool:
+    """Whether the compiled kernel is loaded (building it now if this process has not tried yet)."""
+    global _built
+    if _built is None:
+        with _lock:
+            if _built is None:
+                if os.environ.get("HORIZON_KERNELS", "1").strip() == "0":
+                    log.warning("MXFP4 kernel disabled by HORIZON_KERNELS=0: MXFP4 layers use the PyTorch "
+                                "reference (dequantise, then matmul)")
+                    _built = False
+                else:
+                    try:
+                        _build()
+                        _built = True
+                    except Exception as exc:  # any build or load failure: the reference still works
+                        why = (str(exc).strip().splitlines() or [""])[-1]
+                        log.warning("MXFP4 kernel unavailable (building %s failed: %s: %s); MXFP4 layers use "
+                                    "the PyTorch reference (dequantise, then matmul)", SOURCE.name,
+                                    type(exc).__name__, why)
+                        _built = False
+    return _built
+
+
+def has_avx512() -> bool:
+    """Whether the kernel runs its AVX-512 path on this CPU (False when the kernel is unavailable)."""
+    return kernel_available() and bool(torch.ops.horizon_kernels.has_avx512())
+
+
+def mxfp4_expert_matmul_reference(x: torch.Tensor, blocks: torch.Tensor, scales: torch.Tensor,
+                                  expert: torch.Tensor) -> torch.Tensor:
+    """The op in pure PyTorch: each routed expert dequantised to fp32 (horizon.quant.mxfp4.dequantize),
+    then x @ W^T for its rows. Reads expert ids on the host (fine for a reference and a fallback)."""
+    _check(x, blocks, scales, expert)
+    K = x.shape[1]
+    x = x.float()
+    out = torch.zeros(x.shape[0], blocks.shape[1], dtype=torch.float32, device=x.device)
+    if K == 0:
+        return out
+    for e in expert.unique().tolist():
+        rows = (expert == e).nonzero().squeeze(1)
+        out[rows] = x[rows] @ dequantize(blocks[e], scales[e], torch.float32, K).T
+    return out
+
+
+def _check(x: torch.Tensor, blocks: torch.Tensor, scales: torch.Tensor, expert: torch.Tensor) -> None:
+    check_packed(blocks, scales)
+    if blocks.dim() != 4:
+        raise ValueError(f"mxfp4_expert_matmul: blocks must be [E, N, nb, 16], got {list(blocks.shape)}")
+    if x.dim() != 2 or not x.dtype.is_floating_point or x.shape[1] > blocks.shape[2] * BLOCK:
+        raise ValueError(f"mxfp4_expert_matmul: x must be float [M, K] with K <= {blocks.shape[2] * BLOCK}, "
+                         f"got {x.dtype} {list(x.shape)}")
+    if expert.shape != (x.shape[0],) or expert.dtype not in (torch.int64, torch.int32):
+        raise ValueError(f"mxfp4_expert_matmul: expert must be int [M={x.shape[0]}], got {expert.dtype} "
+                         f"{list(expert.shape)}")
+
+
+@torch.library.custom_op("horizon::mxfp4_expert_matmul", mutates_args=())
+def mxfp4_expert_matmul(x: torch.Tensor, blocks: torch.Tensor, scales: torch.Tensor, expert: torch.Tensor,
+                        force_portable: bool = False) -> torch.Tensor:
+    """out fp32 [M, N] = sum_k x[m, k] * W_{expert[m]}[n, k] with W in MXFP4 (the module docstring).
+
+    x is taken as fp32 (the kernel accumulates in fp32); force_portable skips the AVX-512 path.
+    """
+    if x.device.type == "cpu" and kernel_available():
+        return torch.ops.horizon_kernels.mxfp4_expert_matmul(x, blocks, scales, expert, force_portable)
+    return mxfp4_expert_matmul_reference(x, blocks, scales, expert)
+
+
+@mxfp4_expert_matmul.register_fake
+def _(x, blocks, scales, expert, force_portable=False):
+    _check(x, blocks, scales, expert)
+    return x.new_empty((x.shape[0], blocks.shape[1]), dtype=torch.float32)
+
+
+def mxfp4_matmul(x: torch.Tensor, blocks: torch.Tensor, scales: torch.Tensor, expert: torch.Tensor) -> torch.Tensor:
+    """`mxfp4_expert_matmul` by the shortest route; what the MXFP4 modules call.
+
+    Inside a compiled graph: the custom op (one opaque node). In eager mode: the compiled kernel straight
+    through the dispatcher, since the custom op's Python wrapping costs about 15 us a call, as much as a
+    batch-1 expert GEMV itself; without the kernel, or off the CPU, the reference.
+    """
+    if torch.compiler.is_compiling():
+        return mxfp4_expert_matmul(x, blocks, scales, expert)
+    if x.device.type == "cpu" and kernel_available():
+        return torch.ops.horizon_kernels.mxfp4_expert_matmul(x, blocks, scales, expert, False)
+    return mxfp4_expert_matmul_reference(x, blocks, scales, expert)
+
+
+__all__ = ["cache_dir", "has_avx512", "kernel_available", "mxfp4_expert_matmul", "mxfp4_expert_matmul_reference",
+           "mxfp4_matmul"]

@@ -1,0 +1,252 @@
+"""The fused MXFP4 kernel (horizon.quant.kernels): it computes what dequantise-then-matmul computes, on both
+of its code paths (AVX-512 and portable), for every routing pattern and edge case of the format; the MXFP4
+modules built on it match their reference paths; torch.compile sees it as one opaque op; and a missing or
+disabled kernel falls back to the reference with one warning."""
+
+import logging
+import os
+import tomllib
+from pathlib import Path
+
+import pytest
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+import horizon.quant.kernels as kernels
+from horizon.model.moe import Experts
+from horizon.quant import MXFP4Experts, MXFP4Linear, dequantize, quantize
+from horizon.quant.kernels import kernel_available, mxfp4_expert_matmul, mxfp4_expert_matmul_reference
+
+DISABLED = os.environ.get("HORIZON_KERNELS", "1").strip() == "0"
+pytestmark = pytest.mark.skipif(DISABLED, reason="HORIZON_KERNELS=0: the kernel is disabled")
+CPU_FLAGS = set(Path("/proc/cpuinfo").read_text().split()) if Path("/proc/cpuinfo").exists() else set()
+PATHS = [pytest.param(False, id="avx512"), pytest.param(True, id="portable")]
+
+
+def kernel(x, blocks, scales, expert, portable):
+    """The compiled kernel itself (not the op's fallback): a build failure fails the test."""
+    assert kernel_available(), "the MXFP4 kernel did not build (see the logged warning)"
+    return torch.ops.horizon.mxfp4_expert_matmul(x, blocks, scales, expert, portable)
+
+
+def assert_matches(got, want):
+    """Within rtol 1e-5, and atol 1e-6 of the output's scale (the kernel sums in another order)."""
+    scale = want.nan_to_num(0).abs().max().clamp_min(1e-30)
+    torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-6 * float(scale), equal_nan=True)
+
+
+def packed(E, N, K, seed=0):
+    gen = torch.Generator().manual_seed(seed)
+    return quantize(torch.randn(E, N, K, generator=gen) * torch.rand(E, N, 1, generator=gen) * 4)
+
+
+def test_the_kernel_builds_and_this_cpu_takes_the_avx512_path():
+    assert kernel_available()
+    if {"avx512f", "avx512bw"} <= CPU_FLAGS:
+        assert kernels.has_avx512()
+
+
+@pytest.mark.parametrize("portable", PATHS)
+@pytest.mark.parametrize("E, N, K, M", [
+    (4, 48, 64, 1),      # batch-1 decode: one row, fused path
+    (6, 37, 45, 64),     # K not a multiple of 32 (padding), N not a multiple of the tiles, repeats
+    (3, 64, 100, 5),     # a few rows per expert
+    (40, 72, 96, 64),    # many experts, most with one or two rows, some never routed
+])
+def test_kernel_equals_dequantize_then_matmul(portable, E, N, K, M):
+    blocks, scales = packed(E, N, K)
+    gen = torch.Generator().manual_seed(1)
+    x = torch.randn(M, K, generator=gen)
+    expert = torch.randint(0, E, (M,), generator=gen)
+    got = kernel(x, blocks, scales, expert, portable)
+    assert got.shape == (M, N) and got.dtype == torch.float32
+    want = mxfp4_expert_matmul_reference(x, blocks, scales, expert)
+    assert_matches(got, want)
+    # and the reference is what its docstring says: each row against its own expert's dequantised matrix
+    w = dequantize(blocks, scales, torch.float32, K)
+    assert_matches(want, torch.einsum("mk,mnk->mn", x, w[expert]))
+
+
+@pytest.mark.parametrize("portable", PATHS)
+@pytest.mark.parametrize("rows", [1, 5, 8, 9, 64])
+def test_rows_of_one_expert_from_fused_to_buffered(portable, rows):
+    """Up to 8 rows an expert is decoded straight into FMAs; beyond, once into a tile buffer."""
+    E, N, K = 3, 41, 70
+    blocks, scales = packed(E, N, K, seed=rows)
+    x = torch.randn(rows + 3, K)
+    expert = torch.tensor([1] * rows + [0, 2, 0])  # expert 1 takes `rows` rows, interleaved below
+    perm = torch.randperm(rows + 3)
+    x, expert = x[perm], expert[perm]
+    want = mxfp4_expert_matmul_reference(x, blocks, scales, expert)
+    assert_matches(kernel(x, blocks, scales, expert, portable), want)
+
+
+@pytest.mark.parametrize("portable", PATHS)
+def test_experts_never_routed_are_never_read(portable):
+    E, N, K = 8, 24, 64
+    blocks, scales = packed(E, N, K)
+    x = torch.randn(16, K)
+    expert = torch.tensor([2, 5] * 8)
+    want = kernel(x, blocks, scales, expert, portable)
+    poisoned = scales.clone()
+    poisoned[[0, 1, 3, 4, 6, 7]] = 0xFF  # NaN everywhere in experts nobody routes to
+    torch.testing.assert_close(kernel(x, blocks, poisoned, expert, portable), want, rtol=0, atol=0)
+    assert torch.isfinite(want).all()
+
+
+@pytest.mark.parametrize("portable", PATHS)
+def test_all_zero_blocks_give_exact_zeros(portable):
+    blocks, scales = quantize(torch.zeros(2, 20, 64))
+    assert not blocks.any() and not scales.any()  # scale byte 0, the subnormal 2^-127
+    out = kernel(torch.randn(9, 64), blocks, scales, torch.tensor([0, 1] * 4 + [1]), portable)
+    assert torch.equal(out, torch.zeros(9, 20))
+
+
+@pytest.mark.parametrize("portable", PATHS)
+def test_smallest_scales_are_exact_subnormals(portable):
+    """Blocks at scale bytes 0 and 1 (2^-127, 2^-126: subnormal products) decode exactly."""
+    blocks, scales = packed(1, 16, 64)
+    scales[0, :8] = 0
+    scales[0, 8:] = 1
+    x = torch.ones(1, 64)
+    want = dequantize(blocks, scales, torch.float32, 64)[0].double().sum(-1).float()[None]  # exact: no rounding
+    assert (want != 0).any()
+    torch.testing.assert_close(kernel(x, blocks, scales, torch.zeros(1, dtype=torch.long), portable), want,
+                               rtol=1e-6, atol=0)
+
+
+@pytest.mark.parametrize("portable", PATHS)
+@pytest.mark.parametrize("rows", [1, 12])
+def test_nan_scale_gives_nan_where_the_reference_does(portable, rows):
+    E, N, K = 3, 19, 70
+    blocks, scales = packed(E, N, K)
+    scales[1, 4, 2] = 0xFF  # the last, partly padded block of expert 1's output row 4
+    scales[2, 7, 0] = 0xFF
+    x = torch.randn(rows * 3, K)
+    expert = torch.arange(3).repeat(rows)
+    want = mxfp4_expert_matmul_reference(x, blocks, scales, expert)
+    got = kernel(x, blocks, scales, expert, portable)
+    nan = torch.zeros(rows * 3, N, dtype=torch.bool)
+    nan[expert == 1, 4] = True
+    nan[expert == 2, 7] = True
+    assert torch.equal(want.isnan(), nan) and torch.equal(got.isnan(), nan)
+    assert_matches(got, want)
+
+
+def test_the_two_paths_agree_and_bad_input_is_refused():
+    blocks, scales = packed(5, 33, 200)
+    x, expert = torch.randn(30, 200), torch.randint(0, 5, (30,))
+    assert_matches(kernel(x, blocks, scales, expert, False), kernel(x, blocks, scales, expert, True))
+    with pytest.raises(RuntimeError, match="not in"):
+        kernel(x, blocks, scales, torch.full((30,), 5), False)
+    with pytest.raises(RuntimeError, match="225 columns"):
+        mxfp4_expert_matmul(torch.randn(30, 225), blocks, scales, expert)
+    assert mxfp4_expert_matmul(x[:0], blocks, scales, expert[:0]).shape == (0, 33)
+
+
+def random_experts(E=8, d=64, f=48, seed=0) -> tuple[Experts, MXFP4Experts]:
+    torch.manual_seed(seed)
+    full = Experts(E, d, f)
+    nn.init.normal_(full.gate_up_proj, std=d ** -0.5)
+    nn.init.normal_(full.down_proj, std=f ** -0.5)
+    return full, MXFP4Experts.from_experts(full)
+
+
+def routing(n, E, k=2, seed=0):
+    gen = torch.Generator().manual_seed(seed)
+    idx = torch.rand(n, E, generator=gen).argsort(-1)[:, :k]
+    return torch.rand(n, k, generator=gen).softmax(-1), idx
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@torch.no_grad()
+def test_sync_free_equals_the_eager_dispatch(dtype):
+    _, m = random_experts()
+    x = torch.randn(13, 64).to(dtype)
+    weights, idx = routing(13, 8)
+    got = m.sync_free(x, weights, idx)
+    want, counts = m.forward(x, weights, idx)
+    assert got.dtype == dtype and got.shape == x.shape
+    assert counts.tolist() == torch.bincount(idx.flatten(), minlength=8).tolist()
+    if dtype == torch.float32:
+        assert_matches(got, want)
+    else:  # the eager path rounds to bf16 between the two matmuls, sync_free does not
+        torch.testing.assert_close(got.float(), want.float(), rtol=2e-2, atol=2e-2 * float(want.abs().max()))
+    # and the kernel's eager path against the dequantising one (the kernel switched off)
+    kernels_on = kernels._built
+    try:
+        kernels._built = False
+        ref, _ = m.forward(x, weights, idx)
+    finally:
+        kernels._built = kernels_on
+    tol = 1e-5 if dtype == torch.float32 else 2e-2
+    torch.testing.assert_close(want.float(), ref.float(), rtol=tol, atol=tol * float(ref.abs().max()))
+
+
+@torch.no_grad()
+def test_mxfp4_linear_equals_linear_with_dequantized_weights():
+    torch.manual_seed(0)
+    lin = nn.Linear(45, 40, bias=True)
+    q = MXFP4Linear.from_linear(lin)
+    x = torch.randn(2, 3, 45)
+    want = F.linear(x, dequantize(q.weight_blocks, q.weight_scales, torch.float32, 45), lin.bias)
+    assert_matches(q(x), want)
+    q16 = MXFP4Linear.from_linear(lin.bfloat16())  # bf16 activations and bias, as a bf16 model has them
+    w16 = dequantize(q16.weight_blocks, q16.weight_scales, torch.bfloat16, 45)
+    got16, want16 = q16(x.bfloat16()), F.linear(x.bfloat16(), w16, lin.bias)
+    assert got16.dtype == torch.bfloat16
+    torch.testing.assert_close(got16.float(), want16.float(), rtol=2e-2, atol=2e-2)
+
+
+@torch.no_grad()
+def test_compiled_sync_free_is_one_graph_with_the_op_opaque():
+    _, m = random_experts(E=4, d=32, f=32)
+    x = torch.randn(6, 32)
+    weights, idx = routing(6, 4)
+    graphs = []
+
+    def backend(gm, example_inputs):
+        graphs.append(gm)
+        return gm.forward
+
+    compiled = torch.compile(m.sync_free, backend=backend, fullgraph=True)  # fullgraph: a break raises
+    got = compiled(x, weights, idx)
+    assert len(graphs) == 1
+    targets = [n.target for n in graphs[0].graph.nodes if n.op == "call_function"]
+    assert targets.count(torch.ops.horizon.mxfp4_expert_matmul.default) == 2
+    assert_matches(got, m.sync_free(x, weights, idx))
+    assert_matches(got, m.forward(x, weights, idx)[0])
+
+
+def test_disabled_or_failed_build_falls_back_with_one_warning(monkeypatch, caplog):
+    blocks, scales = packed(3, 20, 64)
+    x, expert = torch.randn(4, 64), torch.tensor([0, 2, 2, 1])
+    want = mxfp4_expert_matmul_reference(x, blocks, scales, expert)
+    caplog.set_level(logging.WARNING, logger=kernels.__name__)
+    monkeypatch.setattr(kernels, "_built", None)
+    monkeypatch.setenv("HORIZON_KERNELS", "0")
+    assert not kernel_available() and not kernel_available()
+    assert_matches(mxfp4_expert_matmul(x, blocks, scales, expert), want)
+    monkeypatch.setattr(kernels, "_built", None)
+    monkeypatch.setenv("HORIZON_KERNELS", "1")
+
+    def no_compiler():
+        raise RuntimeError("Ninja is required to load C++ extensions")
+
+    monkeypatch.setattr(kernels, "_build", no_compiler)
+    assert not kernel_available()
+    assert_matches(mxfp4_expert_matmul(x, blocks, scales, expert), want)
+    messages = [r.getMessage() for r in caplog.records]
+    assert len(messages) == 2  # one each time the process tried
+    assert "HORIZON_KERNELS=0" in messages[0] and "Ninja is required" in messages[1]
+
+
+def test_cache_dir_and_packaging(monkeypatch):
+    monkeypatch.setenv("HORIZON_KERNEL_CACHE", "/tmp/somewhere")
+    assert kernels.cache_dir() == Path("/tmp/somewhere")
+    monkeypatch.delenv("HORIZON_KERNEL_CACHE")
+    assert kernels.cache_dir().name.startswith(torch.__version__ + "-")
+    pyproject = tomllib.loads((Path(__file__).parents[1] / "pyproject.toml").read_text())
+    assert "kernels/*.cpp" in pyproject["tool"]["setuptools"]["package-data"]["horizon.quant"]
+    assert kernels.SOURCE.exists() and kernels.SOURCE.parent.name == "kernels"
