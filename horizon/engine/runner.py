@@ -77,17 +77,9 @@ class ModelRunner:
 
         `options` (per-call attention modes and probes) other than the defaults run eagerly: a graph is
         compiled for the defaults only."""
-        lens = [len(t) for t in step.tokens]
-        ends = [s + n for s, n in zip(step.starts, lens, strict=True)]
-        max_ctx = max(ends)
-        if max_ctx > self.model.config.max_position_embeddings:
-            raise ValueError(f"context of {max_ctx} tokens exceeds the model's window "
-                             f"max_position_embeddings={self.model.config.max_position_embeddings}")
-        if max_ctx > self.cache.max_len:
-            raise ValueError(f"the step needs {max_ctx} cached positions but the cache holds "
-                             f"max_len={self.cache.max_len}")
         if self.compile and step.is_decode and (options is None or options == ForwardOptions()):
-            return self._decode(step, max_ctx)
+            return self._decode(step)
+        lens = [len(t) for t in step.tokens]  # eager: forward_batch checks the window and the cache itself
         tokens = torch.tensor([t for run in step.tokens for t in run], device=self.device)
         batch = Batch.build(lens, start=step.starts, slots=step.slots, device=self.device)
         return self.model.forward_batch(tokens, batch, self.cache, last_only=True, image_embeds=step.image_embeds,
@@ -96,8 +88,16 @@ class ModelRunner:
     def bucket(self, batch_size: int) -> int:
         return next(b for b in self.buckets if b >= batch_size)
 
-    def _decode(self, step: StepInputs, max_ctx: int) -> torch.Tensor:
+    def _decode(self, step: StepInputs) -> torch.Tensor:
+        """One compiled decode step; the checks forward_batch makes eagerly happen here on host numbers."""
         B = len(step.tokens)
+        max_ctx = max(step.starts) + 1
+        if max_ctx > self.model.config.max_position_embeddings:
+            raise ValueError(f"context of {max_ctx} tokens exceeds the model's window "
+                             f"max_position_embeddings={self.model.config.max_position_embeddings}")
+        if max_ctx > self.cache.max_len:
+            raise ValueError(f"the step needs {max_ctx} cached positions but the cache holds "
+                             f"max_len={self.cache.max_len}")
         if not self.cache.static:  # a new block must exist for every row's position (host-side block table)
             table = self.cache.block_table
             for slot, pos in zip(step.slots, step.starts, strict=True):
