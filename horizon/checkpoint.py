@@ -40,6 +40,7 @@ from safetensors.torch import save_file
 
 from horizon.config import ModelConfig
 from horizon.model.model import HorizonForCausalLM
+from horizon.parallel.shard import Layout, model_splits, read_shard, shard_model, shard_tensor
 from horizon.quant import canonical_name as _canonical_name  # `<name>.blocks` (gpt-oss) -> `<name>_blocks`
 from horizon.quant import empty_quantized_model
 from horizon.quant.int8 import Int8Linear, quantize_dense_int8
@@ -116,9 +117,12 @@ class TensorStore:
         sl = self._handles[self.file_of[name]].get_slice(name)
         return math.prod(sl.get_shape()) * _SAFETENSORS_DTYPE_BYTES.get(sl.get_dtype(), 4)
 
-    def get(self, name: str) -> torch.Tensor:
+    def get(self, name: str, split=None, layout: Layout | None = None) -> torch.Tensor:
+        """The tensor; with a split (horizon.parallel.shard), only this rank's part of it is read."""
         try:
-            return self._handles[self.file_of[name]].get_tensor(name)
+            if split is None:
+                return self._handles[self.file_of[name]].get_tensor(name)
+            return read_shard(self._handles[self.file_of[name]].get_slice(name), self.shape(name), split, layout)
         except SafetensorError as e:
             raise ValueError(f"{self.path_of(name)}: cannot read tensor {name} (truncated file?): {e}") from None
 
@@ -141,13 +145,16 @@ def _quantized_experts(state_names) -> bool:
 
 
 def build_model(config: ModelConfig, dtype: torch.dtype | None = None, device="cpu",
-                quantization: str | None = None) -> HorizonForCausalLM:
-    """A model with uninitialised weights on `device` (built on the meta device first: no init cost)."""
+                quantization: str | None = None, layout: Layout | None = None) -> HorizonForCausalLM:
+    """A model with uninitialised weights on `device` (built on the meta device first: no init cost);
+    with a tensor-parallel layout, only this rank's part of each weight is allocated."""
     with torch.device("meta"):
         model = HorizonForCausalLM(config, init=False)
     if quantization == "mxfp4":
         empty_quantized_model(model)
     model = model.to(dtype or config.torch_dtype)
+    if layout is not None:
+        shard_model(model, layout)
     model.to_empty(device=device)
     model.reset_runtime_state()
     return model
@@ -419,44 +426,59 @@ def _check_dense(dense: str | None) -> None:
                          f"{', '.join(map(repr, DENSE_FORMATS))}")
 
 
+def read_config(path: Path):
+    """(the ModelConfig, the quantization method or None, the interop family or None for a Horizon folder)
+    of a checkpoint folder, from its config.json alone."""
+    if not path.is_dir():
+        raise ValueError(f"{path}: not a checkpoint folder")
+    raw = _read_json(path / CONFIG)
+    model_type = raw.get("model_type")
+    if model_type != ModelConfig.model_type:
+        from horizon import interop
+
+        family = interop.family(model_type, path / CONFIG)
+        try:
+            return family.config_from_hf(raw), None, family
+        except ValueError as e:
+            raise ValueError(f"{path / CONFIG}: {e}") from None
+    quant = raw.pop("quantization_config", None)
+    method = quant.get("quant_method") if isinstance(quant, dict) else quant
+    if method not in (None, *QUANT_METHODS):
+        raise ValueError(f"{path / CONFIG}: quantization_config quant_method={method!r} is not supported; "
+                         f"allowed: {', '.join(QUANT_METHODS)}")
+    try:
+        return ModelConfig.from_dict(raw), method, None
+    except ValueError as e:
+        raise ValueError(f"{path / CONFIG}: {e}") from None
+
+
 def load(path: str | Path, dtype: torch.dtype | None = None, device="cpu",
-         check_finite: bool = False, dense: str | None = None) -> HorizonForCausalLM:
+         check_finite: bool = False, dense: str | None = None, layout: Layout | None = None) -> HorizonForCausalLM:
     """Load a Horizon checkpoint folder, or a supported Hugging Face one (see horizon.interop).
 
     check_finite: after filling the model, refuse NaN/Inf weights (`check_finite_weights`).
     dense: "int8" swaps the dense projections for int8 ones after loading (`quantize_dense_int8`;
     ~1/4 of fp32's bytes); such a model cannot be saved.
+    layout: this rank's part of a tensor / expert-parallel model (horizon.parallel.shard). A Horizon
+    checkpoint is read slice by slice; another family's tensors are converted one at a time, then cut.
     """
     _check_dense(dense)
     path = Path(path)
-    if not path.is_dir():
-        raise ValueError(f"{path}: not a checkpoint folder")
-    raw = _read_json(path / CONFIG)
-    model_type = raw.get("model_type")
-    if model_type == ModelConfig.model_type:
-        quant = raw.pop("quantization_config", None)
-        method = quant.get("quant_method") if isinstance(quant, dict) else quant
-        if method not in (None, *QUANT_METHODS):
-            raise ValueError(f"{path / CONFIG}: quantization_config quant_method={method!r} is not supported; "
-                             f"allowed: {', '.join(QUANT_METHODS)}")
-        try:
-            config = ModelConfig.from_dict(raw)
-        except ValueError as e:
-            raise ValueError(f"{path / CONFIG}: {e}") from None
+    config, method, family = read_config(path)
+    if family is None:
         store = TensorStore(path)
-        model = build_model(config, dtype, device, quantization=method)
-        fill_model(model, ((_canonical_name(n), store.get(n), str(store.path_of(n))) for n in store.names()))
+        model = build_model(config, dtype, device, quantization=method, layout=layout)
+        splits = model_splits(model, layout) if layout is not None else {}
+        fill_model(model, ((_canonical_name(n), store.get(n, splits.get(_canonical_name(n)), layout),
+                            str(store.path_of(n))) for n in store.names()))
     else:
-        from horizon import interop
-
-        family = interop.family(model_type, path / CONFIG)
-        try:
-            config = family.config_from_hf(raw)
-        except ValueError as e:
-            raise ValueError(f"{path / CONFIG}: {e}") from None
         store = TensorStore(path)
-        model = build_model(config, dtype, device)
-        fill_model(model, family.convert_tensors(store, config))
+        model = build_model(config, dtype, device, layout=layout)
+        tensors = family.convert_tensors(store, config)
+        if layout is not None:
+            splits = model_splits(model, layout)
+            tensors = ((n, shard_tensor(t, splits[n], layout) if n in splits else t, src) for n, t, src in tensors)
+        fill_model(model, tensors)
     if model.config.tie_word_embeddings:
         model.lm_head.weight = model.embed.weight
     if check_finite:
@@ -480,8 +502,16 @@ class Bundle:
     source: str  # where it came from, for logs and /v1/models
 
 
+def open_config(path: str | Path | None = None) -> tuple[ModelConfig, str | None]:
+    """(config, quantization method) of what `open_model(path)` would open, without reading any weight."""
+    if str(path) == RANDOM or ((path is None or str(path) == BUNDLED) and not (BUNDLED_DIR / CONFIG).is_file()):
+        return ModelConfig.preset("tiny"), None
+    config, method, _ = read_config(BUNDLED_DIR if path is None or str(path) == BUNDLED else Path(path))
+    return config, method
+
+
 def open_model(path: str | Path | None = None, dtype: torch.dtype | None = None, device="cpu",
-               check_finite: bool = False, dense: str | None = None) -> Bundle:
+               check_finite: bool = False, dense: str | None = None, layout: Layout | None = None) -> Bundle:
     """Model, tokenizer and generation config of a checkpoint folder, or of a model Horizon ships.
 
     None or "bundled": the trained `horizon-tiny` shipped in `horizon/assets/horizon-tiny` (MXFP4
@@ -490,6 +520,7 @@ def open_model(path: str | Path | None = None, dtype: torch.dtype | None = None,
     but not sense; the tests use it because its behaviour does not change when the bundled model is
     retrained). check_finite: refuse a checkpoint with NaN/Inf weights (see `load`); the random
     model is made here, not read, and is not checked. dense: as in `load` ("int8" or None), for every source.
+    layout: this rank's part of a tensor-parallel model (see `load`).
     """
     from horizon.chat import load_tokenizer
 
@@ -498,14 +529,16 @@ def open_model(path: str | Path | None = None, dtype: torch.dtype | None = None,
         model = HorizonForCausalLM(ModelConfig.preset("tiny"), init=False)
         model.init_weights(seed=0)  # the same weights on every machine
         model = model.to(device=device, dtype=dtype or torch.float32)
+        if layout is not None:
+            shard_model(model, layout)
         if dense == "int8":
             quantize_dense_int8(model)
         return Bundle(model.eval(), load_tokenizer(), default_generation_config(), "bundled:tiny-random")
     # The generation config first: a typo in it should not wait for (possibly minutes of) weights.
     if path is None or str(path) == BUNDLED:
         gen = load_generation_config(BUNDLED_DIR)
-        model = load(BUNDLED_DIR, dtype=dtype, device=device, check_finite=check_finite, dense=dense)
+        model = load(BUNDLED_DIR, dtype=dtype, device=device, check_finite=check_finite, dense=dense, layout=layout)
         return Bundle(model, load_tokenizer(BUNDLED_DIR), gen, "bundled:horizon-tiny")
     gen = load_generation_config(path)
-    model = load(path, dtype=dtype, device=device, check_finite=check_finite, dense=dense)
+    model = load(path, dtype=dtype, device=device, check_finite=check_finite, dense=dense, layout=layout)
     return Bundle(model, load_tokenizer(path), gen, str(path))

@@ -33,6 +33,7 @@ from horizon.model.layers import MLP, RMSNorm
 from horizon.model.moe import MoE, Router
 from horizon.model.options import ForwardOptions
 from horizon.model.vision import VisionEncoder
+from horizon.parallel.group import all_reduce
 
 
 class Block(nn.Module):
@@ -43,6 +44,9 @@ class Block(nn.Module):
         self.attn = KimiDeltaAttention(cfg, layer_idx) if kind == "kda" else GatedDSA(cfg, layer_idx)
         self.mlp_norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
         self.mlp = MoE(cfg) if cfg.is_moe_layer(layer_idx) else MLP(cfg.hidden_size, cfg.intermediate_size)
+        # set by horizon.parallel.shard: the mixer and the MLP then return this rank's partial sums, and
+        # one all-reduce each completes them
+        self.tp_reduce = False
 
     def forward(self, h: torch.Tensor, batch: Batch, cache: HorizonCache | None,
                 options: ForwardOptions | None = None) -> torch.Tensor:
@@ -55,14 +59,20 @@ class Block(nn.Module):
             mixed = torch.empty_like(x)
             for sub, idx in parts:
                 mixed[idx] = self.attn(x[idx], sub, cache, options=options)
+        if self.tp_reduce:
+            mixed = all_reduce(mixed)
         h = h + mixed
-        return h + self.mlp(self.mlp_norm(h))
+        y = self.mlp(self.mlp_norm(h))
+        return h + (all_reduce(y) if self.tp_reduce else y)
 
 
 class HorizonForCausalLM(nn.Module):
     def __init__(self, config: ModelConfig, init: bool = True):
         super().__init__()
         self.config = config
+        # what decode caches are built from: a tensor-parallel rank's KDA states hold only its heads
+        # (horizon.parallel.shard replaces it)
+        self.cache_config = config
         self.embed = nn.Embedding(config.vocab_size, config.hidden_size)
         self.layers = nn.ModuleList(Block(config, i) for i in range(config.num_layers))
         self.norm = RMSNorm(config.hidden_size, config.rms_norm_eps)
@@ -131,7 +141,7 @@ class HorizonForCausalLM(nn.Module):
     def new_cache(self, num_slots: int, max_len: int) -> HorizonCache:
         """An empty decode cache for `num_slots` sequences of up to `max_len` tokens."""
         p = self.embed.weight
-        return HorizonCache(self.config, num_slots, max_len, dtype=p.dtype, device=p.device)
+        return HorizonCache(self.cache_config, num_slots, max_len, dtype=p.dtype, device=p.device)
 
     # --- forward -------------------------------------------------------------------------------
     def encode_images(self, images: list[torch.Tensor]) -> list[torch.Tensor]:

@@ -37,21 +37,36 @@ def dispatch(x: torch.Tensor, weights: torch.Tensor, idx: torch.Tensor, n_expert
     """x [N, d], weights / idx [N, k] -> (sum_k weight * expert(e, x) [N, d], tokens per expert [E]).
 
     Sorts the assignments by expert and calls `expert(e, rows)` once per expert that has tokens.
+    Indices >= n_experts (another rank's experts, under expert parallelism: `local_assignments`) sort
+    last and are skipped.
     """
     k = idx.shape[1]
     flat = idx.flatten()
     order = flat.argsort(stable=True)  # assignments grouped by expert
-    counts = torch.bincount(flat, minlength=n_experts)
+    counts = torch.bincount(flat, minlength=n_experts)[:n_experts]
+    per_expert = counts.tolist()  # one host sync; a loop over experts, not tokens
+    order = order[:sum(per_expert)]
     token = order // k
     xs = x[token]
     out = torch.empty_like(xs)
     start = 0
-    for e, n in enumerate(counts.tolist()):  # one host sync; a loop over experts, not tokens
+    for e, n in enumerate(per_expert):
         if n:
             out[start:start + n] = expert(e, xs[start:start + n])
             start += n
     out = out * weights.flatten()[order, None].to(out.dtype)
     return torch.zeros_like(x).index_add_(0, token, out), counts
+
+
+def local_assignments(experts: nn.Module, weights: torch.Tensor, idx: torch.Tensor):
+    """Under expert parallelism (`experts.expert_range` = (first, total), set by horizon.parallel.shard)
+    the router's choices in this rank's numbering: idx - first for its own experts, n_local (a sentinel
+    `dispatch` skips) with weight 0 for the others. Without it, the choices as they are."""
+    if experts.expert_range is None:
+        return weights, idx
+    local = idx - experts.expert_range[0]
+    mine = (local >= 0) & (local < experts.n_experts)
+    return weights * mine, torch.where(mine, local, experts.n_experts)
 
 
 @torch.library.custom_op("horizon::routed_experts", mutates_args=())
@@ -110,6 +125,7 @@ class Experts(nn.Module):
     def __init__(self, n_experts: int, dim: int, hidden: int):
         super().__init__()
         self.n_experts = n_experts
+        self.expert_range: tuple[int, int] | None = None  # (first, total) under expert parallelism
         self.gate_up_proj = nn.Parameter(torch.empty(n_experts, 2 * hidden, dim))
         self.down_proj = nn.Parameter(torch.empty(n_experts, dim, hidden))
 
@@ -124,7 +140,10 @@ class Experts(nn.Module):
         """
         if torch.compiler.is_compiling():
             return self.sync_free(x, weights, idx), None
-        return dispatch(x, weights, idx, self.n_experts, self.expert)
+        if self.expert_range is None:
+            return dispatch(x, weights, idx, self.n_experts, self.expert)
+        y, _ = dispatch(x, *local_assignments(self, weights, idx), self.n_experts, self.expert)
+        return y, torch.bincount(idx.flatten(), minlength=self.expert_range[1])  # loads of every expert
 
     def sync_free(self, x: torch.Tensor, weights: torch.Tensor, idx: torch.Tensor) -> torch.Tensor:
         """forward's sum with nothing read back to the host (for compiled graphs).
@@ -135,9 +154,10 @@ class Experts(nn.Module):
         an expert once per token routed to it, so past that size the opaque per-expert loop is cheaper.
         """
         N, k = idx.shape
+        weights, idx = local_assignments(self, weights, idx)
         if N * k > 2 * self.n_experts:
             return routed_experts(x, weights, idx, self.gate_up_proj, self.down_proj)
-        flat = idx.flatten()
+        flat = idx.flatten().clamp(max=self.n_experts - 1)  # another rank's experts: any row, weight 0
         xs = x.repeat_interleave(k, dim=0)  # row t * k + j: token t for its j-th expert
         gate, up = (xs[:, None, :] * self.gate_up_proj[flat]).sum(-1).chunk(2, dim=-1)
         out = ((F.silu(gate) * up)[:, None, :] * self.down_proj[flat]).sum(-1)

@@ -26,7 +26,7 @@ from torch import nn
 
 from horizon.model.dsa import GatedDSA
 from horizon.model.kda import KimiDeltaAttention
-from horizon.model.moe import Experts
+from horizon.model.moe import Experts, local_assignments
 from horizon.quant.kernels import kernel_available, mxfp4_matmul
 from horizon.quant.mxfp4 import BLOCK, BLOCK_BYTES, dequantize, quantize
 
@@ -60,6 +60,7 @@ class MXFP4Experts(nn.Module):
     def __init__(self, n_experts: int, dim: int, hidden: int, device=None):
         super().__init__()
         self.n_experts, self.dim, self.hidden = n_experts, dim, hidden
+        self.expert_range: tuple[int, int] | None = None  # (first, total) under expert parallelism
         _packed_buffers(self, "gate_up_proj", (n_experts, 2 * hidden), dim, device)
         _packed_buffers(self, "down_proj", (n_experts, dim), hidden, device)
 
@@ -106,8 +107,9 @@ class MXFP4Experts(nn.Module):
         runs MXFP4 experts.
         """
         n, k = idx.shape
+        weights, idx = local_assignments(self, weights, idx)
         xs = x.float().repeat_interleave(k, dim=0)  # row j*k + i is token j for its i-th expert
-        flat = idx.flatten()
+        flat = idx.flatten().clamp(max=self.n_experts - 1)  # another rank's experts: any one, weight 0
         h = mxfp4_matmul(xs, self.gate_up_proj_blocks, self.gate_up_proj_scales, flat)  # [N*k, 2f]
         gate, up = h.chunk(2, dim=-1)
         y = mxfp4_matmul(F.silu(gate) * up, self.down_proj_blocks, self.down_proj_scales, flat)  # [N*k, d]
