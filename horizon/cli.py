@@ -205,21 +205,18 @@ def _build_app(model: str | None, served_model_name: str | None = None, api_keys
                responses_retention_days: float = 30, reasoning_key_file: str | None = None,
                prefix_snapshot_turns: int = 2, body_timeout_s: float = 30, prefix_cache_mb: float = 256,
                check_weights: bool = True, playground: bool = True, playground_root: str | None = None,
-               playground_hosts: list[str] | None = None, compile: bool = False, dense_weights: str = "full"):
+               playground_hosts: list[str] | None = None, compile: bool = False, dense_weights: str = "full",
+               layout=None):
     """(the FastAPI app over one engine, the served model id, the checkpoint's source)."""
     import os
 
-    from horizon.checkpoint import open_model
-    from horizon.engine import Engine, EngineConfig
     from horizon.server import ModelService, ServerSettings, create_app
     from horizon.server.playground import PlaygroundSettings
 
-    bundle = open_model(model, check_finite=check_weights, dense=_dense(dense_weights))
-    engine = Engine(bundle.model, bundle.tokenizer,
-                    EngineConfig(max_num_seqs=max_num_seqs, max_model_len=max_model_len,
-                                 max_batch_tokens=max_batch_tokens, coverage_every=coverage_every,
-                                 prefix_cache_bytes=int(prefix_cache_mb * 1024**2), compile=compile),
-                    generation_config=bundle.generation_config)
+    bundle, engine = _serve_engine(model, check_weights, dense_weights, layout, max_num_seqs=max_num_seqs,
+                                   max_model_len=max_model_len, max_batch_tokens=max_batch_tokens,
+                                   coverage_every=coverage_every, prefix_cache_bytes=int(prefix_cache_mb * 1024**2),
+                                   compile=compile)
     shipped = {"bundled:horizon-tiny": "horizon-tiny", "bundled:tiny-random": "horizon-tiny-random"}
     model_id = served_model_name or shipped.get(bundle.source) or os.path.basename(os.path.abspath(model))
     from horizon.chat.images import ImageLimits
@@ -234,6 +231,50 @@ def _build_app(model: str | None, served_model_name: str | None = None, api_keys
                                              signature_key_file=signature_key_file, body_timeout_s=body_timeout_s),
                      PlaygroundSettings(playground_root, playground_hosts or []) if playground else None)
     return app, model_id, bundle.source
+
+
+def _serve_engine(model: str | None, check_weights: bool, dense_weights: str, layout, **engine_config):
+    """(the model bundle, the engine over it): the part of the server every tensor-parallel rank builds."""
+    from horizon.checkpoint import open_model
+    from horizon.engine import Engine, EngineConfig
+
+    bundle = open_model(model, check_finite=check_weights, dense=_dense(dense_weights), layout=layout)
+    return bundle, Engine(bundle.model, bundle.tokenizer, EngineConfig(**engine_config),
+                          generation_config=bundle.generation_config)
+
+
+def _parallel(args: argparse.Namespace):
+    """Where this process stands under --tensor-parallel-size N: None (one process), an int (this process
+    launched the N ranks, and this is their exit status), or this rank's Layout (under torchrun or the
+    launcher). The model's sizes are checked against N before any rank starts or any weight is read."""
+    import os
+
+    from horizon.checkpoint import open_config
+    from horizon.parallel.group import env_world_size, init_group
+    from horizon.parallel.shard import Layout
+
+    n, ep = args.tensor_parallel_size, args.enable_expert_parallel
+    if n < 1:
+        raise ValueError(f"--tensor-parallel-size must be >= 1, got {n}")
+    if "WORLD_SIZE" not in os.environ:
+        if n == 1:
+            if ep:
+                raise ValueError("--enable-expert-parallel needs --tensor-parallel-size > 1 "
+                                 "(the ranks hold the experts)")
+            return None
+        config, quantization = open_config(args.model)
+        Layout(n, 0, ep).check(config, mxfp4_experts=quantization == "mxfp4")
+        from horizon.parallel.launch import launch
+
+        return launch(args.argv, n, args.command)
+    world = env_world_size()
+    if world != n:
+        raise ValueError(f"WORLD_SIZE={world} (torchrun's nnodes x nproc-per-node) but --tensor-parallel-size {n}: "
+                         "they must be equal")
+    if n == 1:
+        return None
+    group = init_group()
+    return Layout(n, group.rank, ep)
 
 
 def _api_keys(args: argparse.Namespace) -> dict[str, str]:
@@ -255,6 +296,17 @@ def _api_keys(args: argparse.Namespace) -> dict[str, str]:
 def _cmd_serve(args: argparse.Namespace) -> int:
     from horizon.server.process import serve
 
+    layout = _parallel(args)
+    if isinstance(layout, int):  # this process launched the ranks; they have ended
+        return layout
+    if layout is not None and layout.rank != 0:  # a rank that computes: no HTTP, rank 0's steps
+        _, engine = _serve_engine(args.model, not args.no_weight_check, args.dense_weights, layout,
+                                  max_num_seqs=args.max_num_seqs, max_model_len=args.max_model_len,
+                                  max_batch_tokens=args.max_batch_tokens, coverage_every=args.coverage_every,
+                                  prefix_cache_bytes=int(args.prefix_cache_mb * 1024**2),
+                                  compile=not args.enforce_eager)
+        engine.follow()
+        return 0
     keys = _api_keys(args)
     try:
         app, model_id, source = _build_app(args.model, args.served_model_name, keys, args.history_policy,
@@ -265,10 +317,12 @@ def _cmd_serve(args: argparse.Namespace) -> int:
                                            args.prefix_snapshot_turns, args.body_timeout, args.prefix_cache_mb,
                                            not args.no_weight_check, not args.no_playground, args.playground_root,
                                            args.playground_allowed_host, compile=not args.enforce_eager,
-                                           dense_weights=args.dense_weights)
+                                           dense_weights=args.dense_weights, layout=layout)
     except ValueError as e:  # a setting the model or engine cannot take (e.g. --max-model-len past the window)
         raise SystemExit(f"horizon serve: {e}") from None
     page = "" if args.no_playground else f"; the playground: http://{args.host}:{args.port}/"
+    if layout is not None:
+        page += f"; {layout.tp} tensor-parallel ranks{' (experts whole per rank)' if layout.ep else ''}"
     print(f"horizon serve: {model_id} ({source}) on http://{args.host}:{args.port} "
           f"(OpenAI /v1/chat/completions, Anthropic /v1/messages{page}; "
           f"auth {f'on, {len(set(keys.values()))} tenant(s)' if keys else 'off'})", flush=True)
@@ -575,6 +629,13 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--dtype", choices=["float32", "bfloat16", "float16"], default=None)
     p.set_defaults(func=_cmd_convert)
 
+    def parallel(p: argparse.ArgumentParser) -> None:
+        p.add_argument("--tensor-parallel-size", "-tp", type=int, default=1, metavar="N",
+                       help="shard every layer over N ranks (started here; or run under torchrun with "
+                            "WORLD_SIZE=N, across machines: docs/parallel.md)")
+        p.add_argument("--enable-expert-parallel", action="store_true",
+                       help="spread the routed experts whole over the N ranks instead of splitting each one")
+
     def dense_weights(p: argparse.ArgumentParser) -> None:
         p.add_argument("--dense-weights", choices=["full", "int8"], default="full",
                        help="int8: hold the dense projections (attention, dense MLP, shared experts, LM head) as "
@@ -662,6 +723,7 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--allow-local-images", default=None, metavar="DIR",
                    help="accept image parts that name files under DIR (default: base64 data URLs only)")
     p.add_argument("--log-level", default="info")
+    parallel(p)
     p.set_defaults(func=_cmd_serve)
 
     p = sub.add_parser("agent", help="work on a task with tools, streaming thinking, calls and results")
@@ -792,6 +854,7 @@ def build_parser() -> argparse.ArgumentParser:
 
 def main(argv: list[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
+    args.argv = list(sys.argv[1:] if argv is None else argv)  # what a launcher re-runs on each rank
     try:
         return args.func(args)
     except (ValueError, FileNotFoundError) as e:

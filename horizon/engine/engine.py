@@ -19,6 +19,7 @@ from __future__ import annotations
 import asyncio
 import logging
 import math
+import os
 import queue
 import threading
 import time
@@ -39,6 +40,7 @@ from horizon.engine.sequence import Sequence, Status
 from horizon.model import HorizonCache
 from horizon.model.options import ForwardOptions
 from horizon.model.vision import num_image_tokens
+from horizon.parallel.group import GROUP_FAILED_EXIT, broadcast_object, rank, world_size
 
 log = logging.getLogger(__name__)
 
@@ -67,6 +69,23 @@ class EngineConfig:
         if self.max_batch_tokens < self.max_num_seqs:
             raise ValueError(f"EngineConfig.max_batch_tokens={self.max_batch_tokens} must be >= max_num_seqs="
                              f"{self.max_num_seqs}, so every running sequence can decode each step")
+
+
+@dataclass
+class Outcome:
+    """What one step did to a sequence that sampled: the token (None when it failed before one), and the
+    finish (reason, error) when it ended. Under tensor parallelism the driver broadcasts these."""
+
+    token: int | None = None
+    forced: bool = False
+    logprob: float | None = None
+    top: list | None = None
+    reason: str | None = None
+    error: str | None = None
+    error_kind: str | None = None
+
+    def for_followers(self) -> Outcome:
+        return Outcome(self.token, self.forced, None, None, self.reason, self.error, self.error_kind)
 
 
 class QueueFull(Exception):
@@ -158,7 +177,7 @@ class Engine:
                              f"tokens (max_position_embeddings; {how})")
         self.max_model_len = config.max_model_len or min(window, 32768)
         p = model.embed.weight
-        self.cache = HorizonCache(model.config, config.max_num_seqs, self.max_model_len, dtype=p.dtype,
+        self.cache = HorizonCache(model.cache_config, config.max_num_seqs, self.max_model_len, dtype=p.dtype,
                                   device=p.device, block_size=config.block_size,
                                   num_blocks=config.num_blocks or
                                   config.max_num_seqs * math.ceil(self.max_model_len / config.block_size))
@@ -181,12 +200,36 @@ class Engine:
         self._decode_steps = 0
         self._admission = threading.Lock()
         self._closed: str | None = None  # why new requests are refused (close()), or None
+        # tensor parallelism (horizon.parallel): every rank runs this engine; rank 0 drives (takes requests,
+        # samples) and broadcasts what the others must do, so their schedulers and caches stay identical
+        self.ranks, self.is_driver = world_size(), rank() == 0
+        self._followers_stopped = False
+        if self.ranks > 1:
+            mine = (self.cache.num_blocks, config.max_num_seqs, self.max_model_len, config.block_size)
+            if broadcast_object(mine) != mine:
+                raise ValueError(f"rank {rank()}'s engine differs from rank 0's (blocks, slots, window, block "
+                                 f"size {mine}): every rank must be started with the same settings")
 
     # --- requests ----------------------------------------------------------------------------------
     def submit(self, request: Request, on_event: Callable[[Event], None], max_queued: int | None = None) -> None:
         """Queue a request (thread-safe); `on_event` receives its events on the engine's thread. With
         `max_queued`, QueueFull when that many accepted requests would wait with no free slot (so at most
         max_num_seqs + max_queued are ever accepted and unfinished); EngineClosed after `close()`."""
+        seq = self._make_sequence(request, on_event)
+        with self._admission:  # the check and the insert are one step: a burst cannot overshoot the limit
+            if self._closed is not None:
+                raise EngineClosed(self._closed)
+            if request.request_id in self.sequences:
+                raise ValueError(f"request_id {request.request_id!r} is already in use")
+            # free slots take requests at the next step: they never wait, so they do not count against the queue
+            if max_queued is not None and self.queued - self.scheduler.slots.num_free >= max_queued:
+                raise QueueFull(self.queued, max_queued)
+            self.sequences[seq.id] = seq
+            self._inbox.put(("submit", seq))
+        self._wake.set()
+
+    def _make_sequence(self, request: Request, on_event: Callable[[Event], None]) -> Sequence:
+        """The request checked (ValueError saying what is wrong) and turned into a sequence."""
         params = request.params
         params.validate(self.model.config.vocab_size)
         prompt = request.prompt_ids
@@ -208,18 +251,7 @@ class Engine:
             budget = int(self.budgets[params.tier])
         layout = self._image_layout(request) if request.images or self.image_id in prompt else None
         matcher = self.grammars.matcher(request.constraint) if request.constraint is not None else None
-        seq = Sequence(request, self.tokenizer, budget, self.stop_ids, on_event, matcher, layout)
-        with self._admission:  # the check and the insert are one step: a burst cannot overshoot the limit
-            if self._closed is not None:
-                raise EngineClosed(self._closed)
-            if request.request_id in self.sequences:
-                raise ValueError(f"request_id {request.request_id!r} is already in use")
-            # free slots take requests at the next step: they never wait, so they do not count against the queue
-            if max_queued is not None and self.queued - self.scheduler.slots.num_free >= max_queued:
-                raise QueueFull(self.queued, max_queued)
-            self.sequences[seq.id] = seq
-            self._inbox.put(("submit", seq))
-        self._wake.set()
+        return Sequence(request, self.tokenizer, budget, self.stop_ids, on_event, matcher, layout)
 
     @property
     def queued(self) -> int:
@@ -271,19 +303,36 @@ class Engine:
         self._wake.set()
 
     def _drain_inbox(self) -> None:
-        while True:
-            try:
-                kind, item = self._inbox.get_nowait()
-            except queue.Empty:
-                return
+        """Apply what arrived since the last step. Under tensor parallelism the driver (rank 0) broadcasts
+        it first and the other ranks apply the same items (the requests themselves, rebuilt there)."""
+        items = []
+        if self.is_driver:
+            while True:
+                try:
+                    items.append(self._inbox.get_nowait())
+                except queue.Empty:
+                    break
+        if self.ranks > 1:
+            wire = [(kind, item.request if kind == "submit" else item) for kind, item in items]
+            wire = broadcast_object(wire)
+            if not self.is_driver:
+                items = [(kind, self._follow_submit(item) if kind == "submit" else item) for kind, item in wire]
+        for kind, item in items:
             if kind == "submit":
                 self.scheduler.waiting.append(item)
             elif kind == "abort":
                 self._abort_all(item)
+            elif kind == "stop":
+                self._stopping = True
             else:
                 seq = self.sequences.get(item)
                 if seq is not None:
                     self._finish(seq, "cancelled")
+
+    def _follow_submit(self, request: Request) -> Sequence:
+        seq = self._make_sequence(request, lambda event: None)  # only the driver talks to clients
+        self.sequences[seq.id] = seq
+        return seq
 
     # --- the step ----------------------------------------------------------------------------------
     @property
@@ -308,14 +357,14 @@ class Engine:
         options = self._options(step)
         logits = self.runner.run(step, options)
         self._read_probe(options)
-        finite = torch.isfinite(logits).all(dim=-1).tolist()  # one check for the batch, not one per row
-        generated = 0
-        for (seq, n), row, ok in zip(plan, logits, finite, strict=True):
-            try:
-                generated += self._advance(seq, n, row, ok)
-            except Exception as e:  # one sequence's failure (its sampling, grammar, consumer) ends it alone
-                log.exception("request %s failed", seq.id)
-                self._finish(seq, "error", f"{type(e).__name__}: {e}")
+        if self.is_driver:
+            finite = torch.isfinite(logits).all(dim=-1).tolist()  # one check for the batch, not one per row
+            outcomes = [self._advance(seq, n, row, ok) for (seq, n), row, ok in zip(plan, logits, finite, strict=True)]
+        if self.ranks > 1:  # the other ranks do what the driver decided (never their own sampling)
+            wire = broadcast_object([o.for_followers() if o else None for o in outcomes] if self.is_driver else None)
+            if not self.is_driver:
+                outcomes = [self._follow(seq, n, o) for (seq, n), o in zip(plan, wire, strict=True)]
+        generated = sum(o is not None and o.token is not None for o in outcomes)
         s = self.stats
         s.steps += 1
         s.tokens_computed += sum(n for _, n in plan)
@@ -325,47 +374,78 @@ class Engine:
         s.recent.append((time.perf_counter(), generated))
         return True
 
-    def _advance(self, seq: Sequence, n: int, row: torch.Tensor, finite: bool) -> int:
-        """Post-process one sequence after the forward computed n of its tokens: snapshot, sample, emit,
-        finish. Returns the tokens it generated (0 or 1)."""
+    def _reached_end(self, seq: Sequence, n: int) -> bool:
+        """Count the n tokens the forward computed (with the prefix snapshots they pass); True when the
+        sequence now samples its next token."""
         seq.num_cached += n
         if seq.num_cached < len(seq.tokens):
             if seq.num_cached in seq.snapshot_at and seq.num_generated == 0:
                 self.scheduler.remember(seq, "boundary")  # a message boundary other branches may share
-            return 0  # mid-prompt: nothing to sample yet
+            return False  # mid-prompt: nothing to sample yet
         if seq.num_generated == 0 and seq.cached_prompt_tokens < seq.prompt_len:
             self.scheduler.remember(seq, "prompt")  # the next turn can resume here at least
+        return True
+
+    def _advance(self, seq: Sequence, n: int, row: torch.Tensor, finite: bool) -> Outcome | None:
+        """Post-process one sequence after the forward computed n of its tokens: snapshot, sample, emit,
+        finish. Returns what happened (None: mid-prompt). One sequence's failure (its sampling, grammar,
+        consumer) ends it alone."""
+        try:
+            if not self._reached_end(seq, n):
+                return None
+            outcome = self._decide(seq, row, finite)
+            self._apply(seq, outcome)
+        except Exception as e:
+            log.exception("request %s failed", seq.id)
+            outcome = Outcome(reason="error", error=f"{type(e).__name__}: {e}")
+            self._finish(seq, outcome.reason, outcome.error)
+        return outcome
+
+    def _follow(self, seq: Sequence, n: int, outcome: Outcome | None) -> Outcome | None:
+        """A non-driver rank's post-processing: the same cache bookkeeping, the driver's token and finish."""
+        if self._reached_end(seq, n) != (outcome is not None):
+            raise RuntimeError(f"rank state diverged: request {seq.id} at {seq.num_cached} cached tokens")
+        if outcome is not None:
+            self._apply(seq, outcome)
+        return outcome
+
+    def _decide(self, seq: Sequence, row: torch.Tensor, finite: bool) -> Outcome:
+        """The next token of a sequence that reached its end (the driver's job: sampling and the grammar)."""
         if not finite:  # NaN or infinity: nothing sensible to sample (bad weights, an overflow)
-            self._finish(seq, "error", "the model produced non-finite logits (NaN or infinity) for this request")
-            return 0
+            return Outcome(reason="error",
+                           error="the model produced non-finite logits (NaN or infinity) for this request")
         forced = seq.forced_token()
         allowed, problem = (None, None) if forced is not None else self._allowed(seq, row.shape[-1])
         if problem:
-            self._finish(seq, "error", problem)
-            return 0
+            return Outcome(reason="error", error=problem)
         try:
             token = forced if forced is not None else sample(row, seq.params, seq.generated, seq.generator, allowed)
         except NothingToSample as e:
-            self._finish(seq, "error", str(e), "invalid_request")
-            return 0
+            return Outcome(reason="error", error=str(e), error_kind="invalid_request")
         lp, top = logprobs(row, token, seq.params.logprobs) if seq.params.logprobs is not None else (None, None)
-        was_thinking = seq.thinking
-        if seq.matcher is not None and not was_thinking:
+        if seq.matcher is not None and not seq.thinking:
             if not seq.matcher.consume_token(token):
-                self._finish(seq, "error", f"constraint rejected token {token}: {seq.matcher.get_error()}")
-                return 0
+                return Outcome(reason="error", error=f"constraint rejected token {token}: {seq.matcher.get_error()}")
             if token < self.grammars.vocab_size and self.grammars.token_bytes[token]:
                 seq.json_scan.feed(self.grammars.token_bytes[token])
             else:
                 seq.json_scan.reset()
-        reason = seq.append(token, lp, top, forced is not None)
-        if was_thinking and seq.params.tier is not None and token != seq.think_end:
-            self.stats.thinking_tokens[seq.params.tier] += 1
-        if seq.num_generated == 1:
-            self.stats.ttft.append(seq.first_token_time - seq.arrival)
-        if reason:
-            self._finish(seq, reason)
-        return 1
+        return Outcome(token, forced is not None, lp, top)
+
+    def _apply(self, seq: Sequence, outcome: Outcome) -> None:
+        """Append the outcome's token (events, stop checks, stats) and finish the sequence if it ends. On the
+        driver the finish reason comes from the append; the other ranks take the driver's."""
+        if outcome.token is not None:
+            was_thinking = seq.thinking
+            reason = seq.append(outcome.token, outcome.logprob, outcome.top, outcome.forced)
+            if self.is_driver:
+                outcome.reason = reason
+            if was_thinking and seq.params.tier is not None and outcome.token != seq.think_end:
+                self.stats.thinking_tokens[seq.params.tier] += 1
+            if seq.num_generated == 1:
+                self.stats.ttft.append(seq.first_token_time - seq.arrival)
+        if outcome.reason:
+            self._finish(seq, outcome.reason, outcome.error, outcome.error_kind)
 
     def _allowed(self, seq: Sequence, vocab: int) -> tuple[torch.Tensor | None, str | None]:
         """The mask of tokens a constrained sequence may sample next (None: any), or a reason it cannot go on.
@@ -487,20 +567,40 @@ class Engine:
         self._thread.start()
 
     def stop(self) -> None:
-        """Stop the engine thread; requests still unfinished end with an "unavailable" error (no stream hangs)."""
+        """Stop the engine thread; requests still unfinished end with an "unavailable" error (no stream hangs).
+        The other ranks of a tensor-parallel group stop with it (their `follow` returns)."""
         self._stopping = True
         self._wake.set()
         if self._thread is not None:
             self._thread.join()
             self._thread = None
+        self._inbox.put(("abort", "the engine stopped"))
+        if self.ranks > 1 and not self._followers_stopped:
+            self._inbox.put(("stop", None))
+            self._followers_stopped = True
+        elif self.ranks > 1:  # the group already ended: nothing to broadcast to
+            self._abort_all("the engine stopped")
+            return
         self._drain_inbox()
-        self._abort_all("the engine stopped")
+
+    def follow(self) -> None:
+        """A non-driver rank's whole life under tensor parallelism: every step in lockstep with the driver
+        (its requests, its tokens) until the driver stops. Any error propagates: the rank must exit."""
+        if self.is_driver:
+            raise RuntimeError("rank 0 drives the engine (start / generate); follow() is for the other ranks")
+        while not self._stopping:
+            self.step()
 
     def _loop(self) -> None:
         while not self._stopping:
             try:
                 busy = self.step()
             except Exception as e:  # a failed forward must not hang every client: fail what it ran, go on
+                if self.ranks > 1:
+                    # the ranks are out of step (one failed or vanished): nothing can be completed, so the
+                    # process exits and the launcher ends the others (horizon.parallel.launch)
+                    log.critical("tensor-parallel step failed, stopping this rank: %s: %s", type(e).__name__, e)
+                    os._exit(GROUP_FAILED_EXIT)
                 log.exception("engine step failed")
                 for seq in list(self.scheduler.running):
                     self._finish(seq, "error", f"engine error: {type(e).__name__}: {e}")
