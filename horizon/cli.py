@@ -1,6 +1,6 @@
 """The `horizon` command line.
 
-    horizon plan --preset 2.8t [--context N] [--json]       parameters, memory and GPUs for a config
+    horizon plan --preset 2.8t [--context N] [--tp N] [--json]   parameters, memory and GPUs (per rank)
     horizon quantize SRC DST                                 store a checkpoint's routed experts as MXFP4
     horizon convert SRC DST [--quantize mxfp4] [--to-dsa]   a Kimi-Linear / DeepSeek-V3.2 folder -> Horizon
     horizon generate [--model PATH] --prompt TEXT [--tier low|high|max]   one answer, streamed
@@ -23,17 +23,27 @@ from horizon.presets import PRESETS
 
 
 def _cmd_plan(args: argparse.Namespace) -> int:
-    from horizon.plan import plan, render_plan
+    from horizon.plan import GPU_BYTES, parallel_plan, parse_bytes, plan, render_parallel, render_plan
 
     if args.config:
         config, name = ModelConfig.load(args.config), args.config
     else:
         config, name = ModelConfig.preset(args.preset), args.preset
     result = plan(config, context=args.context)
+    per_rank = None
+    if args.tp is not None or args.enable_expert_parallel or args.gpu_memory is not None:
+        tp = 1 if args.tp is None else args.tp
+        if args.enable_expert_parallel and tp == 1:
+            raise ValueError("--enable-expert-parallel needs --tp > 1 (the ranks hold the experts)")
+        gpu = parse_bytes(args.gpu_memory) if args.gpu_memory is not None else GPU_BYTES
+        per_rank = parallel_plan(config, tp, args.enable_expert_parallel, args.context, gpu)
+        result["parallel"] = per_rank
     if args.json:
         print(json.dumps(result))
-    else:
-        render_plan(name, result)
+        return 0
+    render_plan(name, result)
+    if per_rank is not None:
+        render_parallel(name, per_rank)
     return 0
 
 
@@ -129,14 +139,27 @@ class TerminalStream:
             self.mode = mode
 
 
-def _open_engine(args):
+def _open_engine(args, layout=None):
     from horizon.checkpoint import open_model
     from horizon.engine import Engine, EngineConfig
 
-    bundle = open_model(args.model, dense=_dense(args.dense_weights))
+    bundle = open_model(args.model, dense=_dense(args.dense_weights), layout=layout)
     engine = Engine(bundle.model, bundle.tokenizer, EngineConfig(max_num_seqs=1, max_batch_tokens=512),
                     generation_config=bundle.generation_config)
     return bundle, engine
+
+
+def _lockstep(engine, layout, drive) -> int:
+    """Run `drive` (which uses `engine` on the calling thread) on rank 0 of a tensor-parallel group while the
+    other ranks follow its steps, then stop them all; in one process (layout None) just run it."""
+    if layout is not None and layout.rank != 0:
+        engine.follow()
+        return 0
+    try:
+        return drive()
+    finally:
+        if layout is not None:
+            engine.stop()  # the other ranks' follow() returns
 
 
 def _dense(choice: str) -> str | None:
@@ -155,12 +178,19 @@ def _cmd_generate(args: argparse.Namespace) -> int:
     from horizon.chat import ChatTemplate
     from horizon.engine import Request
 
-    bundle, engine = _open_engine(args)
-    messages = [{"role": "user", "content": args.prompt}]
-    prompt = ChatTemplate(bundle.tokenizer).render(messages, tier=args.tier, add_generation_prompt=True).ids
-    engine.submit(Request(prompt, _params(args)), TerminalStream())
-    engine.run_until_idle()
-    return 0
+    layout = _parallel(args)
+    if isinstance(layout, int):  # this process launched the ranks; they have ended
+        return layout
+    bundle, engine = _open_engine(args, layout)
+
+    def drive() -> int:
+        messages = [{"role": "user", "content": args.prompt}]
+        prompt = ChatTemplate(bundle.tokenizer).render(messages, tier=args.tier, add_generation_prompt=True).ids
+        engine.submit(Request(prompt, _params(args)), TerminalStream())
+        engine.run_until_idle()
+        return 0
+
+    return _lockstep(engine, layout, drive)
 
 
 def _cmd_chat(args: argparse.Namespace) -> int:
@@ -518,10 +548,19 @@ def _cmd_eval(args: argparse.Namespace) -> int:
     import torch
 
     from horizon.checkpoint import open_model
-    from horizon.eval import eval_engine, evaluate
+    from horizon.eval import eval_engine
 
-    bundle = open_model(args.model, dtype=getattr(torch, args.dtype) if args.dtype else None)
+    layout = _parallel(args)
+    if isinstance(layout, int):  # this process launched the ranks; they have ended
+        return layout
+    bundle = open_model(args.model, dtype=getattr(torch, args.dtype) if args.dtype else None, layout=layout)
     engine = eval_engine(bundle.model, bundle.tokenizer, args.batch, args.selection, bundle.generation_config)
+    return _lockstep(engine, layout, lambda: _report_eval(args, bundle, engine))
+
+
+def _report_eval(args: argparse.Namespace, bundle, engine) -> int:
+    from horizon.eval import evaluate
+
     domains = [d for d in args.domains.split(",") if d]
     tier = None if args.tier == "none" else args.tier
     done = set()
@@ -608,6 +647,12 @@ def build_parser() -> argparse.ArgumentParser:
     src.add_argument("--config", help="a config.json (or a checkpoint folder holding one)")
     p.add_argument("--context", type=int, default=None,
                    help="tokens of context to plan for (default: the model's window, 1,048,576 for 2.8t)")
+    p.add_argument("--tp", type=int, default=None, metavar="N",
+                   help="also plan per rank for N tensor-parallel ranks: weights, KDA state, cache, sequences")
+    p.add_argument("--enable-expert-parallel", action="store_true",
+                   help="with --tp: the routed experts whole per rank")
+    p.add_argument("--gpu-memory", default=None, metavar="SIZE",
+                   help="memory of one GPU for the per-rank plan (default 141GB; also e.g. 80GiB)")
     p.add_argument("--json", action="store_true", help="print one JSON object")
     p.set_defaults(func=_cmd_plan)
 
@@ -653,6 +698,7 @@ def build_parser() -> argparse.ArgumentParser:
     p = sub.add_parser("generate", help="answer one prompt, streaming thinking and answer")
     p.add_argument("--prompt", required=True)
     sampling(p)
+    parallel(p)
     p.set_defaults(func=_cmd_generate)
 
     p = sub.add_parser("chat", help="an interactive conversation that keeps the full history")
@@ -842,6 +888,7 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--records", default=None, metavar="JSONL",
                    help="write one line per task: id, reward, answer, reference and the whole conversation")
     p.add_argument("--json", action="store_true")
+    parallel(p)
     p.set_defaults(func=_cmd_eval)
 
     p = sub.add_parser("compare", help="two models' eval records on the same tasks: paired differences, 95%% CIs")

@@ -111,3 +111,18 @@ def test_sigterm_to_the_launcher_drains_and_stops_every_rank(tmp_path):
     proc.send_signal(signal.SIGTERM)
     assert proc.wait(timeout=60) == 0
     assert all(not Path(f"/proc/{pid}").exists() or _zombie(pid) for pid in ranks.values())
+
+
+def _horizon(*argv: str) -> str:
+    proc = subprocess.run([sys.executable, "-m", "horizon", *argv], capture_output=True, text=True, timeout=300)
+    assert proc.returncode == 0, proc.stdout[-2000:] + proc.stderr[-2000:]
+    return proc.stdout
+
+
+def test_generate_and_eval_on_two_ranks_print_what_one_process_prints():
+    gen = ("generate", "--prompt", "What is 12 + 30?", "--tier", "low", "--max-tokens", "24", "--temperature", "0.8",
+           "--seed", "5")
+    one = _horizon(*gen)
+    assert one.strip() and _horizon(*gen, "--tensor-parallel-size", "2") == one
+    ev = ("eval", "--n", "4", "--domains", "arithmetic,image", "--json")
+    assert _horizon(*ev, "-tp", "2") == _horizon(*ev)

@@ -5,9 +5,11 @@ import subprocess
 import sys
 
 import pytest
+import torch
 
 from horizon import ModelConfig
 from horizon.cli import main
+from horizon.model.model import HorizonForCausalLM
 from horizon.plan import plan
 
 from .conftest import tiny, tiny_model
@@ -86,3 +88,53 @@ def test_plan_command_prints_a_table():
     bad = subprocess.run([sys.executable, "-m", "horizon.cli", "plan", "--preset", "2.8t", "--context", "0"],
                          capture_output=True, text=True)
     assert bad.returncode == 2 and "context=0" in bad.stderr and "Traceback" not in bad.stderr
+
+
+def test_per_rank_plan_for_2_8t_names_the_smallest_layout_and_what_tp_8_lacks(capsys):
+    assert main(["plan", "--preset", "2.8t", "--tp", "16", "--json"]) == 0
+    p = json.loads(capsys.readouterr().out)
+    par, whole = p["parallel"], p
+    req = par["requested"]
+    # 2304-wide experts are 72 MXFP4 blocks: 16 ranks cannot split each expert, but can hold 38 whole ones
+    assert not req["divides"] and "moe_intermediate_size=2304" in req["error"]
+    assert "--enable-expert-parallel" in req["error"]
+    small = par["smallest"]
+    assert (small["tp"], small["expert_parallel"], small["fits"]) == (16, True, True)
+    assert small["kda_state_bytes_per_sequence_per_rank"] * 16 == whole["kda_state_bytes"]  # sharded with the heads
+    assert small["cache_bytes_per_token_per_rank"] == whole["cache_bytes_per_token"]  # replicated
+    one_seq = small["kda_state_bytes_per_sequence_per_rank"] + whole["cache_bytes_at_context"]
+    assert small["bytes_per_sequence_at_context_per_rank"] == one_seq
+    assert small["sequences_at_context_per_rank"] == int((141e9 - small["weight_bytes_per_rank"]) // one_seq) >= 1
+    # more than 1/16 of the weights: the embeddings, LM head, indexers and routers are on every rank
+    assert 16 * small["weight_bytes_per_rank"] > whole["weight_bytes_mxfp4"]
+    for tp8 in par["tp8"]:
+        assert tp8["tp"] == 8 and tp8["divides"] and not tp8["fits"] and tp8["sequences_at_context_per_rank"] == 0
+        assert tp8["weight_bytes_per_rank"] > 141e9
+    assert main(["plan", "--preset", "2.8t", "--tp", "8", "--gpu-memory", "288GB", "--json"]) == 0
+    assert json.loads(capsys.readouterr().out)["parallel"]["requested"]["fits"]
+
+
+def test_per_rank_weights_are_what_a_sharded_model_holds():
+    from horizon.parallel.shard import Layout, shard_model
+    from horizon.plan import mxfp4_nbytes, parallel_plan
+
+    cfg = tiny(moe_intermediate_size=64)  # two MXFP4 blocks per expert row: splittable over 2 ranks
+    assert parallel_plan(cfg, 1)["requested"]["weight_bytes_per_rank"] == plan(cfg)["weight_bytes_mxfp4"]
+    for ep in (False, True):
+        with torch.device("meta"):
+            model = HorizonForCausalLM(cfg, init=False)
+        shard_model(model, Layout(2, 0, ep))
+        held = sum(mxfp4_nbytes(p.shape) if ".experts." in n else 2 * p.numel() for n, p in model.named_parameters())
+        lay = parallel_plan(cfg, 2, ep)["requested"]
+        assert lay["divides"] and lay["weight_bytes_per_rank"] == held
+
+
+def test_plan_rejects_bad_parallel_options(capsys):
+    assert main(["plan", "--preset", "2.8t", "--gpu-memory", "lots"]) == 2
+    assert "expected a size such as 141GB" in capsys.readouterr().err
+    assert main(["plan", "--preset", "2.8t", "--enable-expert-parallel"]) == 2
+    assert "needs --tp > 1" in capsys.readouterr().err
+    assert main(["plan", "--preset", "2.8t", "--tp", "0"]) == 2
+    from horizon.plan import parse_bytes
+
+    assert parse_bytes("80GiB") == 80 * 2**30 and parse_bytes("1.5 TB") == 1.5e12 and parse_bytes("141") == 141e9
