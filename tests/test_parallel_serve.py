@@ -109,7 +109,8 @@ def test_sigterm_to_the_launcher_drains_and_stops_every_rank(tmp_path):
                                                         "messages": [{"role": "user", "content": "hi"}]}, timeout=60)
     assert r.status_code == 200
     proc.send_signal(signal.SIGTERM)
-    assert proc.wait(timeout=60) == 0
+    code = proc.wait(timeout=60)
+    assert code == 0, proc.communicate()[0][-3000:]
     assert all(not Path(f"/proc/{pid}").exists() or _zombie(pid) for pid in ranks.values())
 
 
@@ -126,3 +127,17 @@ def test_generate_and_eval_on_two_ranks_print_what_one_process_prints():
     assert one.strip() and _horizon(*gen, "--tensor-parallel-size", "2") == one
     ev = ("eval", "--n", "4", "--domains", "arithmetic,image", "--json")
     assert _horizon(*ev, "-tp", "2") == _horizon(*ev)
+
+
+def test_a_launcher_killed_outright_takes_its_ranks_with_it(tmp_path):
+    proc, url = start(tmp_path, "tp-kill", "--tensor-parallel-size", "2", "--model", "tiny-random")
+    ranks = _rank_pids(proc)
+    proc.kill()  # SIGKILL: nothing to forward, no teardown of its own
+    proc.wait(timeout=10)
+    deadline = time.monotonic() + 20
+    while time.monotonic() < deadline and any(Path(f"/proc/{pid}").exists() and not _zombie(pid)
+                                              for pid in ranks.values()):
+        time.sleep(0.2)
+    assert all(not Path(f"/proc/{pid}").exists() or _zombie(pid) for pid in ranks.values()), "orphaned ranks"
+    with pytest.raises(httpx.HTTPError):
+        httpx.get(url + "/health", timeout=2)

@@ -7,11 +7,14 @@ same code across machines). The launcher then watches them:
 - a rank that exits non-zero (a crash, an out-of-memory kill, a broken group) ends every other rank
   and the launcher exits with an error naming it: never a server that hangs on a dead peer;
 - SIGINT / SIGTERM go to rank 0 only, which drains its requests and stops the others through the
-  engine (horizon.engine.Engine.stop); whatever is still running a few seconds after it exits is killed.
+  engine (horizon.engine.Engine.stop); whatever is still running a few seconds after it exits is killed;
+- if the launcher itself is killed outright (SIGKILL, which it cannot forward), the kernel ends the
+  ranks too (Linux's parent-death signal), so no orphaned rank keeps a port or a GPU.
 """
 
 from __future__ import annotations
 
+import ctypes
 import os
 import signal
 import socket
@@ -28,6 +31,14 @@ def _free_port() -> int:
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
         return s.getsockname()[1]
+
+
+def _die_with_parent() -> None:
+    """In the child, before exec: SIGKILL this rank when the launcher dies (prctl PR_SET_PDEATHSIG)."""
+    try:
+        ctypes.CDLL(None, use_errno=True).prctl(1, signal.SIGKILL)  # 1 = PR_SET_PDEATHSIG
+    except (OSError, AttributeError):  # not Linux: the launcher's own teardown is all there is
+        pass
 
 
 def _describe(code: int) -> str:
@@ -58,7 +69,9 @@ def launch(argv: list[str], nprocs: int, command: str) -> int:
     base = {**os.environ, "WORLD_SIZE": str(nprocs), "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(_free_port()),
             "OMP_NUM_THREADS": os.environ.get("OMP_NUM_THREADS", str(threads))}
     procs = [subprocess.Popen([sys.executable, "-m", "horizon", *argv],
-                              env={**base, "RANK": str(r), "LOCAL_RANK": str(r)}) for r in range(nprocs)]
+                              env={**base, "RANK": str(r), "LOCAL_RANK": str(r)},
+                              preexec_fn=_die_with_parent if sys.platform == "linux" else None)
+             for r in range(nprocs)]
 
     def forward(sig, _frame):  # rank 0 drains, then stops the others itself
         if procs[0].poll() is None:
@@ -85,7 +98,11 @@ def launch(argv: list[str], nprocs: int, command: str) -> int:
                     except subprocess.TimeoutExpired:
                         pass
                 _end(procs, grace_s=5.0)
-                return 0 if all(p.returncode == 0 for p in procs) else 1
+                late = [(r, p.returncode) for r, p in enumerate(procs) if p.returncode != 0]
+                if late:
+                    print(f"horizon {command}: rank 0 stopped, but " + "; ".join(
+                        f"rank {r} {_describe(c)}" for r, c in late), file=sys.stderr, flush=True)
+                return 1 if late else 0
             time.sleep(0.2)
     finally:
         for sig, handler in previous.items():
