@@ -114,8 +114,11 @@ def test_sigterm_to_the_launcher_drains_and_stops_every_rank(tmp_path):
     assert all(not Path(f"/proc/{pid}").exists() or _zombie(pid) for pid in ranks.values())
 
 
-def _horizon(*argv: str) -> str:
-    proc = subprocess.run([sys.executable, "-m", "horizon", *argv], capture_output=True, text=True, timeout=300)
+def _horizon(*argv: str, torchrun: int = 0) -> str:
+    """stdout of `python -m horizon *argv`, or of it run as `torchrun` ranks (what a multi-node run does)."""
+    run = ["-m", "torch.distributed.run", "--nproc-per-node", str(torchrun), "--master-addr", "127.0.0.1",
+           "--master-port", str(free_port())] if torchrun else []
+    proc = subprocess.run([sys.executable, *run, "-m", "horizon", *argv], capture_output=True, text=True, timeout=300)
     assert proc.returncode == 0, proc.stdout[-2000:] + proc.stderr[-2000:]
     return proc.stdout
 
@@ -125,6 +128,7 @@ def test_generate_and_eval_on_two_ranks_print_what_one_process_prints():
            "--seed", "5")
     one = _horizon(*gen)
     assert one.strip() and _horizon(*gen, "--tensor-parallel-size", "2") == one
+    assert _horizon(*gen, "--tensor-parallel-size", "2", torchrun=2) == one
     ev = ("eval", "--n", "4", "--domains", "arithmetic,image", "--json")
     assert _horizon(*ev, "-tp", "2") == _horizon(*ev)
 

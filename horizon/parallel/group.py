@@ -90,6 +90,15 @@ def destroy_group() -> None:
     _CPU_GROUP = None
 
 
+def leave_group() -> None:
+    """The end of a run every rank finished: wait for the others, then close the group. Without this a
+    rank that exits first closes its connections under a peer's gloo threads, and that peer aborts
+    at exit (SIGABRT) instead of exiting 0."""
+    if _active():
+        dist.barrier(group=_CPU_GROUP)
+    destroy_group()
+
+
 def _active() -> bool:
     return dist.is_available() and dist.is_initialized()
 
