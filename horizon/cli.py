@@ -152,14 +152,20 @@ def _open_engine(args, layout=None):
 def _lockstep(engine, layout, drive) -> int:
     """Run `drive` (which uses `engine` on the calling thread) on rank 0 of a tensor-parallel group while the
     other ranks follow its steps, then stop them all; in one process (layout None) just run it."""
+    from horizon.parallel.group import leave_group
+
     if layout is not None and layout.rank != 0:
         engine.follow()
+        leave_group()
         return 0
     try:
-        return drive()
+        code = drive()
     finally:
         if layout is not None:
             engine.stop()  # the other ranks' follow() returns
+    if layout is not None:
+        leave_group()
+    return code
 
 
 def _dense(choice: str) -> str | None:
@@ -324,6 +330,7 @@ def _api_keys(args: argparse.Namespace) -> dict[str, str]:
 
 
 def _cmd_serve(args: argparse.Namespace) -> int:
+    from horizon.parallel.group import leave_group
     from horizon.server.process import serve
 
     layout = _parallel(args)
@@ -336,6 +343,7 @@ def _cmd_serve(args: argparse.Namespace) -> int:
                                   prefix_cache_bytes=int(args.prefix_cache_mb * 1024**2),
                                   compile=not args.enforce_eager)
         engine.follow()
+        leave_group()
         return 0
     keys = _api_keys(args)
     try:
@@ -358,6 +366,9 @@ def _cmd_serve(args: argparse.Namespace) -> int:
           f"auth {f'on, {len(set(keys.values()))} tenant(s)' if keys else 'off'})", flush=True)
     serve(app, app.state.service, args.host, args.port, args.log_level, drain_timeout_s=args.drain_timeout,
           header_timeout_s=args.header_timeout)
+    if layout is not None:  # the drain stopped the engine and the other ranks (again here, if it never started)
+        app.state.service.engine.stop()
+        leave_group()
     return 0
 
 
@@ -418,6 +429,24 @@ def _cmd_agent(args: argparse.Namespace) -> int:
 
 
 def _cmd_train(args: argparse.Namespace) -> int:
+    import torch.distributed as dist
+
+    from horizon.parallel.group import destroy_group, env_world_size, init_group
+
+    if env_world_size() == 1:
+        return _train(args, sharded=False)
+    # under torchrun: FSDP data parallelism over a gloo group (horizon.parallel.fsdp); the group is left to
+    # whoever started it (a caller that already joined one keeps it)
+    owned = not dist.is_initialized()
+    init_group("cpu")
+    try:
+        return _train(args, sharded=True)
+    finally:
+        if owned:
+            destroy_group()
+
+
+def _train(args: argparse.Namespace, sharded: bool) -> int:
     from pathlib import Path
 
     import torch
@@ -485,16 +514,23 @@ def _cmd_train(args: argparse.Namespace) -> int:
                              f"got {args.thinking_budgets!r}")
         generation_config = {**(generation_config or default_generation_config()),
                              "thinking_budgets": dict(zip(("low", "high", "max"), values, strict=True))}
+    if sharded:  # every rank built the same full model; now each keeps its shard of it
+        from horizon.parallel.fsdp import shard_for_training
+
+        model = shard_for_training(model)
     trainer = Trainer(model, tokenizer, Mixture(sources, ratios, seed=args.seed), config, out, generation_config)
     trainer.sources_spec = sources_spec
     if args.resume:
         trainer.restore()
-    print(f"horizon train: {model.num_parameters():,} parameters; sources "
-          f"{ {k: len(v) for k, v in sources.items()} }; step {trainer.step_idx} -> {config.steps}", flush=True)
+    ranks = f" on {trainer.world} ranks (FSDP)" if sharded else ""
+    if trainer.writer:
+        print(f"horizon train: {model.num_parameters():,} parameters{ranks}; sources "
+              f"{ {k: len(v) for k, v in sources.items()} }; step {trainer.step_idx} -> {config.steps}", flush=True)
     log = trainer.train(progress=not args.no_progress, max_minutes=args.max_minutes)
     last = log[-1] if log else {}
-    print(f"done: step {trainer.step_idx}, loss {last.get('loss', float('nan')):.4f}; checkpoint "
-          f"{trainer.checkpoint_dir}, log {out / 'train_log.jsonl'}, plot {out / 'train_curves.png'}")
+    if trainer.writer:
+        print(f"done: step {trainer.step_idx}, loss {last.get('loss', float('nan')):.4f}; checkpoint "
+              f"{trainer.checkpoint_dir}, log {out / 'train_log.jsonl'}, plot {out / 'train_curves.png'}")
     return 0
 
 
@@ -505,9 +541,14 @@ def _cmd_rl(args: argparse.Namespace) -> int:
 
     from horizon.checkpoint import open_model
     from horizon.engine import Engine, EngineConfig
+    from horizon.parallel.group import env_world_size
     from horizon.train.rl import RLConfig, RLTrainer
     from horizon.train.trainer import TRAINER_STATE, TrainConfig, config_from_dict
 
+    if env_world_size() > 1:  # before any weight loads
+        raise ValueError(f"WORLD_SIZE={env_world_size()}: horizon rl runs in one process only: its rollouts decode "
+                         f"through the engine, and through FSDP-sharded modules ranks running different numbers of "
+                         f"forwards would hang; run it without torchrun")
     out = Path(args.out)
     state = out / "checkpoint" / TRAINER_STATE / "state.json"
     source = out / "checkpoint" if args.resume else Path(args.init)

@@ -16,6 +16,7 @@ placeholders each takes comes from the model's vision config.
 from __future__ import annotations
 
 import functools
+import hashlib
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -102,6 +103,17 @@ class Mixture:
         self.sources = sources
         self.weights = torch.tensor([float(ratios.get(n, 0.0)) for n in self.names])
         self.generator = torch.Generator().manual_seed(seed)
+
+    def digest(self) -> str:
+        """A hash of the sources, the ratios and the sampler's state: equal digests draw equal batches."""
+        h = hashlib.sha256(repr((self.names, self.weights.tolist())).encode())
+        h.update(self.generator.get_state().numpy().tobytes())
+        for name in self.names:
+            for ex in self.sources[name]:
+                h.update(repr((name, ex.ids, ex.mask)).encode())
+                for img in ex.images:
+                    h.update(img.contiguous().numpy().tobytes())
+        return h.hexdigest()
 
     def sample(self, n: int) -> list[Example]:
         picks = torch.multinomial(self.weights, n, replacement=True, generator=self.generator).tolist()

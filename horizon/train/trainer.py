@@ -16,6 +16,13 @@ run's losses exactly. The log is also written as `train_log.jsonl` and plotted t
 at every checkpoint. With `eval_every`, the run also measures greedy held-out accuracy per task domain
 (`horizon.eval.evaluate`, on a range of the held-out split apart from `horizon eval`'s) before its first
 step and every `eval_every` steps, into `heldout.jsonl` and the curves.
+
+Under torchrun the model comes in sharded (horizon.parallel.fsdp.shard_for_training) and N ranks take the
+one-process step: every rank draws the same global batch and computes on its rows `rank::world`, losses
+are divided by target counts summed over ranks, the logged numbers are sums over ranks (identical on
+every rank), and only rank 0 writes files, from weights and optimiser state gathered to it, in the same
+layout; the others wait for it at a barrier. Held-out validation decodes gathered, unsharded copies (rank 0
+drives the engine, the others follow it).
 """
 
 from __future__ import annotations
@@ -30,6 +37,7 @@ from pathlib import Path
 from typing import Any
 
 import torch
+import torch.distributed as dist
 import torch.nn.functional as F
 from safetensors.torch import load_file, save_file
 
@@ -39,12 +47,15 @@ from horizon.eval import evaluate
 from horizon.model.dsa import GatedDSA
 from horizon.model.moe import balance_moe_bias
 from horizon.model.options import ForwardOptions
+from horizon.parallel import all_reduce, broadcast_object, fsdp
+from horizon.parallel.group import rank, world_size
 from horizon.train.data import Mixture, collate
 from horizon.train.indexer import indexer_losses
 
 STAGES = ("sft", "dense", "indexer-warmup", "sparse")
 INDEXER_STAGES = ("indexer-warmup", "sparse")  # the stages that train the DSA indexers (the others: LM loss only)
 TRAINER_STATE = "trainer_state"  # a subfolder: the checkpoint folder itself stays a plain model checkpoint
+EVAL_ENGINE = EngineConfig(max_num_seqs=16, max_batch_tokens=2048)  # what held-out validation decodes with
 
 
 @dataclass
@@ -139,6 +150,19 @@ class Trainer:
                  generation_config: dict[str, Any] | None = None):
         config.validate()
         self.model, self.tokenizer, self.mixture, self.config = model, tokenizer, mixture, config
+        # FSDP (a model sharded by horizon.parallel.fsdp): this rank's place; rank 0 alone writes and prints
+        self.sharded = fsdp.is_sharded(model)
+        self.rank, self.world = (rank(), world_size()) if self.sharded else (0, 1)
+        self.writer = self.rank == 0
+        if config.batch_size < self.world:
+            raise ValueError(f"--batch-size {config.batch_size} is smaller than the {self.world} ranks: every rank "
+                             f"needs at least one row of the global batch")
+        if self.sharded and config.stage in INDEXER_STAGES:
+            raise ValueError(f"--stage {config.stage} does not run under FSDP (WORLD_SIZE={self.world}): the indexer's "
+                             f"objective recomputes attention outside the layers' forward, where FSDP holds only "
+                             f"shards of their weights; run the indexer stages in one process")
+        if self.sharded:  # every rank draws the global batch itself: they must hold the same data
+            fsdp.check_same_on_every_rank(mixture.digest(), "the training data")
         self.dsa = set_stage(model, config.stage)
         self.out = Path(out_dir)
         self.generation_config = generation_config
@@ -151,6 +175,7 @@ class Trainer:
             lr=config.lr, betas=(config.beta1, config.beta2), foreach=False)
         self.step_idx = 0
         self.parts: dict[str, float] = {}  # the last step's loss terms and indexer statistics
+        self.step_loss = math.nan  # the last step's loss as logged (under FSDP: summed over the ranks)
         self.log: list[dict[str, Any]] = []
         self.heldout: list[dict[str, Any]] = []  # the validation evaluations (config.eval_every)
         self._engine = None  # built on the first validation
@@ -159,21 +184,34 @@ class Trainer:
 
     # --- one step ----------------------------------------------------------------------------------
     def loss(self, batch: dict[str, Any]) -> tuple[torch.Tensor, int]:
+        """The batch's loss to backpropagate and its number of target tokens. Under FSDP: this rank's share
+        of the global batch's loss (the ranks' losses add up to it) and the global count; self.step_loss
+        and self.parts are then the global values."""
         model, stage = self.model, self.config.stage
-        embeds = torch.cat(model.encode_images(batch["images"])) if batch["images"] else None
+        targets = batch["targets"]
+        n = int(self._sum_over_ranks(int((targets != -100).sum()))[0])
+        embeds, image_mask = None, batch["image_mask"]
+        if batch["images"]:
+            embeds = torch.cat(model.encode_images(batch["images"]))
+        elif batch.get("idle_image") is not None:
+            # FSDP: another rank encodes images this step and this one has none. It encodes one of theirs and
+            # uses none of it (no rows, no positions), so every rank runs the same collectives in the same
+            # order and this rank's vision encoder gradient is zero (horizon.parallel.fsdp)
+            embeds = model.encode_images([batch["idle_image"]])[0][:0]
+            image_mask = torch.zeros_like(batch["ids"], dtype=torch.bool)
         options = stage_options(stage)
         with torch.autocast("cpu", dtype=torch.bfloat16, enabled=self.config.bf16):
-            logits = model(batch["ids"], lengths=batch["lengths"], image_embeds=embeds, image_mask=batch["image_mask"],
+            logits = model(batch["ids"], lengths=batch["lengths"], image_embeds=embeds, image_mask=image_mask,
                            options=options)
             if stage in INDEXER_STAGES:  # under the forward's autocast, as the layers' own projections ran
                 indexer, stats = indexer_losses(self.dsa, options.indexer_taps)
-        targets = batch["targets"]
-        n = int((targets != -100).sum())
         lm = F.cross_entropy(logits.float().flatten(0, 1), targets.flatten(), ignore_index=-100, reduction="sum")
         lm = lm / max(n, 1)
-        self.parts = {"lm_loss": lm.item()}
+        self.step_loss = self._sum_over_ranks(lm.item())[0]
+        self.parts = {"lm_loss": self.step_loss}
         if stage not in INDEXER_STAGES:
             return lm, n
+        # (one process only: the Trainer refuses these stages under FSDP)
         self.parts["indexer_kl"] = indexer.item()
         if stats:  # query-weighted over the DSA layers
             q = sum(st["queries"] for st in stats)
@@ -181,23 +219,40 @@ class Trainer:
             self.parts["recent_recall"] = sum(st["recent_recall"] * st["queries"] for st in stats) / q
         # warm-up: only the indexer learns (everything else is frozen); sparse: the LM loss trains the model
         # and the KL the indexer (its inputs are detached, and top-k selection passes no gradient)
-        return (indexer if stage == "indexer-warmup" else lm + indexer), n
+        loss = indexer if stage == "indexer-warmup" else lm + indexer
+        self.step_loss = loss.item()
+        return loss, n
+
+    def _sum_over_ranks(self, *values: float) -> list[float]:
+        """Each value summed over the FSDP ranks (one all-reduce, float64: counts stay exact); as they are in
+        one process."""
+        if not self.sharded:
+            return list(values)
+        return all_reduce(torch.tensor(values, dtype=torch.float64)).tolist()
 
     def step(self) -> dict[str, Any]:
         cfg, model = self.config, self.model
         model.train()
         t0 = time.perf_counter()
-        batch = collate(self.mixture.sample(cfg.batch_size), cfg.max_len, model.config,
-                        self.tokenizer.special.image)
+        batch = self.rank_batch(self.mixture.sample(cfg.batch_size))
         lr = self.begin_update()
         loss, n_targets = self.loss(batch)
         grad_norm = self.apply_update(loss)
-        dt = time.perf_counter() - t0
-        tokens = int(batch["lengths"].sum())
-        entry = {"step": self.step_idx, "loss": loss.item(), **self.parts, "lr": lr, "grad_norm": float(grad_norm),
+        dt = time.perf_counter() - t0  # this rank's clock (rank 0's is the one written)
+        tokens = int(self._sum_over_ranks(int(batch["lengths"].sum()))[0])
+        entry = {"step": self.step_idx, "loss": self.step_loss, **self.parts, "lr": lr, "grad_norm": float(grad_norm),
                  "tokens": tokens, "target_tokens": n_targets, "tokens_per_s": tokens / dt, "seconds": dt}
         self.log.append(entry)
         return entry
+
+    def rank_batch(self, examples: list) -> dict[str, Any]:
+        """The collated batch this rank computes on: all of `examples` in one process; under FSDP, where every
+        rank drew the same global batch, its rows rank::world."""
+        batch = collate(fsdp.rank_rows(examples, self.rank, self.world), self.config.max_len, self.model.config,
+                        self.tokenizer.special.image)
+        if self.sharded and not batch["images"]:  # an image another rank encodes, for loss(): see there
+            batch["idle_image"] = next((img for ex in examples for img in ex.images), None)
+        return batch
 
     def begin_update(self) -> float:
         """Set this step's learning rate and clear the gradients; returns the rate."""
@@ -213,8 +268,9 @@ class Trainer:
         cfg, model = self.config, self.model
         if loss is not None:
             loss.backward()
-        grad_norm = torch.nn.utils.clip_grad_norm_([p for p in model.parameters() if p.grad is not None],
-                                                   cfg.grad_clip)
+        # under FSDP the gradients are DTensor shards and the norm is the global one (a replicated DTensor)
+        grad_norm = fsdp.replicated(torch.nn.utils.clip_grad_norm_(
+            [p for p in model.parameters() if p.grad is not None], cfg.grad_clip))
         self.optimizer.step()
         if cfg.moe_bias_gamma:
             balance_moe_bias(model, cfg.moe_bias_gamma)
@@ -228,7 +284,7 @@ class Trainer:
         cfg = self.config
         deadline = time.perf_counter() + 60 * max_minutes if max_minutes else math.inf
         bar = None
-        if progress:
+        if progress and self.writer:
             from rich.progress import BarColumn, Progress, TextColumn, TimeRemainingColumn
 
             bar = Progress(TextColumn("[bold]train"), BarColumn(), TextColumn("{task.completed}/{task.total}"),
@@ -243,11 +299,13 @@ class Trainer:
                 entry = self.step()
                 if bar is not None:
                     bar.update(task, completed=self.step_idx, loss=f"{entry['loss']:.3f}")
-                elif self.step_idx % cfg.log_every == 0 or self.step_idx == cfg.steps:  # a line for logs
+                elif self.writer and (self.step_idx % cfg.log_every == 0 or self.step_idx == cfg.steps):  # for logs
                     print(f"step {self.step_idx}/{cfg.steps} " + " ".join(
                         f"{k} {v:.4g}" for k, v in entry.items() if k != "step" and isinstance(v, float)),
                         file=sys.stderr, flush=True)
                 out_of_time = time.perf_counter() >= deadline
+                if self.sharded and max_minutes:
+                    out_of_time = broadcast_object(out_of_time)  # rank 0's clock decides for all, or they part ways
                 if cfg.eval_every and (self.step_idx % cfg.eval_every == 0 or self.step_idx == cfg.steps
                                        or out_of_time):
                     self.validate_heldout()
@@ -255,8 +313,9 @@ class Trainer:
                 if saved:
                     self.save()
                 if out_of_time:
-                    print(f"stopped at step {self.step_idx}/{cfg.steps}: the {max_minutes:g}-minute budget is spent",
-                          file=sys.stderr, flush=True)
+                    if self.writer:
+                        print(f"stopped at step {self.step_idx}/{cfg.steps}: the {max_minutes:g}-minute budget is "
+                              f"spent", file=sys.stderr, flush=True)
                     break
         finally:
             if bar is not None:
@@ -273,8 +332,7 @@ class Trainer:
     def eval_engine(self):
         """The engine validation decodes with (the RL trainer has its own: the one that rolls out)."""
         if self._engine is None:
-            self._engine = Engine(self.model, self.tokenizer, EngineConfig(max_num_seqs=16, max_batch_tokens=2048),
-                                  generation_config=self.generation_config)
+            self._engine = Engine(self.model, self.tokenizer, EVAL_ENGINE, generation_config=self.generation_config)
         return self._engine
 
     def eval_limits(self) -> dict[str, int]:
@@ -284,20 +342,41 @@ class Trainer:
     def validate_heldout(self) -> dict[str, Any]:
         """Greedy held-out accuracy (Wilson 95% interval) and thinking tokens per domain, as `horizon eval`
         measures them, on config.eval_n tasks from config.eval_seed; appended to self.heldout, written to
-        heldout.jsonl and plotted. Its time counts toward max_minutes: it is part of the run's compute."""
+        heldout.jsonl and plotted. Its time counts toward max_minutes: it is part of the run's compute.
+
+        Under FSDP an engine must not decode through the sharded modules (ranks running different numbers of
+        forwards would wait on each other's all-gathers): every rank gathers an unsharded copy, and the
+        engine runs over them as it does under tensor parallelism, rank 0 driving (it evaluates) and the others
+        following step by step, so no rank waits on another for longer than a step; rank 0's numbers are
+        then kept on every rank."""
         cfg = self.config
         domains = self.heldout_domains()
         if not domains:
             raise ValueError("eval_every: the run has no task domain to validate on (--data has no held-out split)")
         t0 = time.perf_counter()
-        engine = self.eval_engine()
         self.model.eval()
+        if self.sharded:
+            engine = Engine(fsdp.gathered_model(self.model, everywhere=True), self.tokenizer, EVAL_ENGINE,
+                            generation_config=self.generation_config)
+            if not self.writer:
+                engine.follow()  # until rank 0's engine stops
+                entry = broadcast_object(None)
+                self.heldout.append(entry)
+                return entry
+        else:
+            engine = self.eval_engine()
         engine.clear_prefix_cache()  # the weights changed since any cached state was computed
-        result = evaluate(engine, self.tokenizer, domains, n=cfg.eval_n, tier=cfg.eval_tier, seed=cfg.eval_seed,
-                          **self.eval_limits())
+        try:
+            result = evaluate(engine, self.tokenizer, domains, n=cfg.eval_n, tier=cfg.eval_tier,
+                              seed=cfg.eval_seed, **self.eval_limits())
+        finally:
+            if self.sharded:
+                engine.stop()  # the followers' follow() returns
         entry = {"step": self.step_idx, "seconds": time.perf_counter() - t0,
                  "domains": {name: {k: r[k] for k in ("accuracy", "ci95", "thinking_tokens", "n")}
                              for name, r in result.items()}}
+        if self.sharded:
+            broadcast_object(entry)
         self.heldout.append(entry)
         print(f"held-out at step {self.step_idx}: " + ", ".join(
             f"{name} {r['accuracy']:.3f} [{r['ci95'][0]:.3f}, {r['ci95'][1]:.3f}]" for name, r in result.items()),
@@ -322,16 +401,29 @@ class Trainer:
         return self.out / "checkpoint"
 
     def save(self) -> Path:
-        """Weights (a loadable Horizon checkpoint) + optimiser, RNG and sampler state, atomically replaced."""
+        """Weights (a loadable Horizon checkpoint) + optimiser, RNG and sampler state, atomically replaced.
+
+        Under FSDP every rank takes part (weights and optimiser state are gathered to rank 0), rank 0 writes
+        the one-process layout, and the others wait for it at a barrier: no rank goes on (and none can read
+        the checkpoint) before it is complete."""
         final, tmp = self.checkpoint_dir, self.out / "checkpoint.tmp"
+        self.model.eval()
+        model = fsdp.gathered_model(self.model) if self.sharded else self.model
+        optimizer_state = self.optimizer_state()
+        if self.writer:
+            self._write_checkpoint(model, optimizer_state, tmp, final)
+        if self.sharded:
+            dist.barrier()
+        return final
+
+    def _write_checkpoint(self, model, optimizer_state: dict[str, dict[str, torch.Tensor]], tmp: Path,
+                          final: Path) -> None:
         if tmp.exists():
             _rmtree(tmp)
-        self.model.eval()
-        save(self.model, tmp, tokenizer=self.tokenizer, generation_config=self.generation_config)
-        params = dict(self.model.named_parameters())
+        save(model, tmp, tokenizer=self.tokenizer, generation_config=self.generation_config)
         tensors = {"rng.torch": torch.get_rng_state(), "rng.mixture": self.mixture.generator.get_state()}
         for name in self.names:
-            state = self.optimizer.state.get(params[name], {})
+            state = optimizer_state.get(name, {})
             for key, value in state.items():
                 tensors[f"optim.{name}.{key}"] = value.detach().clone().reshape(-1) if value.dim() == 0 else value
         (tmp / TRAINER_STATE).mkdir()
@@ -343,19 +435,31 @@ class Trainer:
             _rmtree(final)
         tmp.rename(final)
         self.write_log()  # so a running job's log and curves are never further behind than its checkpoint
-        return final
+
+    def optimizer_state(self) -> dict[str, dict[str, torch.Tensor]]:
+        """AdamW's state by parameter name, whole (under FSDP gathered to rank 0; {} on the other ranks)."""
+        if self.sharded:
+            return fsdp.full_optimizer_state(self.model, self.optimizer)
+        params = dict(self.model.named_parameters())
+        return {name: self.optimizer.state[params[name]] for name in self.names
+                if params[name] in self.optimizer.state}
 
     def restore(self, folder: str | Path | None = None) -> None:
         """Continue from a checkpoint written by save() (weights must already be loaded into the model)."""
         folder = Path(folder) if folder is not None else self.checkpoint_dir
         meta = json.loads((folder / TRAINER_STATE / "state.json").read_text())
         tensors = load_file(folder / TRAINER_STATE / "state.safetensors")
-        params = dict(self.model.named_parameters())
+        state = {}
         for name in self.names:
             keys = {k.rsplit(".", 1)[-1]: v for k, v in tensors.items() if k.rsplit(".", 1)[0] == f"optim.{name}"}
             if keys:
-                state = {k: (v.reshape(()) if k == "step" else v) for k, v in keys.items()}
-                self.optimizer.state[params[name]] = state
+                state[name] = {k: (v.reshape(()) if k == "step" else v) for k, v in keys.items()}
+        if self.sharded:  # every rank read the whole state and keeps its shards
+            fsdp.load_optimizer_state(self.model, self.optimizer, state)
+        else:
+            params = dict(self.model.named_parameters())
+            for name, entry in state.items():
+                self.optimizer.state[params[name]] = entry
         torch.set_rng_state(tensors["rng.torch"])
         self.mixture.generator.set_state(tensors["rng.mixture"])
         self.step_idx, self.log = int(meta["step"]), list(meta["log"])
@@ -372,7 +476,9 @@ class Trainer:
     log_name, plot_name = "train_log.jsonl", "train_curves.png"
 
     def write_log(self) -> None:
-        """The log as JSONL (log_name) and its curves (plot_name, matplotlib)."""
+        """The log as JSONL (log_name) and its curves (plot_name, matplotlib); rank 0 only under FSDP."""
+        if not self.writer:
+            return
         self.out.mkdir(parents=True, exist_ok=True)
         with open(self.out / self.log_name, "w") as f:
             for entry in self.log:

@@ -1,0 +1,222 @@
+"""What each of the 2 gloo ranks of tests/test_fsdp.py runs: FSDP2 training against one process.
+
+Every rank first computes its one-process references itself, before the process group exists (so nothing
+in them is distributed), then joins the group and runs the same computations sharded, and the `horizon
+train` command: straight, and stopped at a checkpoint then resumed from it. Each check records a
+number per rank; the records of both ranks are gathered to rank 0, which writes them (and any traceback)
+for the parent to assert.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import sys
+import traceback
+from pathlib import Path
+
+import torch
+import torch.distributed as dist
+import torch.nn.functional as F
+
+from horizon.chat import load_tokenizer
+from horizon.cli import main as horizon_main
+from horizon.parallel import destroy_group, init_group
+from horizon.parallel.fsdp import gathered_model, shard_for_training
+from horizon.tasks import make_split
+from horizon.train import Mixture, TrainConfig, Trainer, collate, render_chat, task_example
+from tests.conftest import tiny_model
+
+TOK = load_tokenizer()
+FP64_GRAD_TOL = 1e-10  # 2 ranks vs one process over the same row groups, float64: only the sum's order differs
+FP32_GRAD_TOL = 1e-5  # 2 ranks vs one process on the whole batch, fp32 (batch shapes change matmul rounding)
+# parameters after a few AdamW steps, per tensor: ||two ranks - one process|| / ||one process - start||. AdamW
+# divides each element's step by its own gradient scale, so elements whose gradient is near zero (pure
+# rounding noise) take lr-sized steps of either sign: this is the loosest of the measures (1e-4 measured)
+FP32_PARAM_TOL = 1e-3
+FP32_LOSS_TOL = 1e-5  # logged losses, relative (3e-7 measured over 6 steps; 2e-6 over 3 with lr 5e-3)
+FP32_GRAD_NORM_TOL = 1e-4  # logged gradient norms, relative (1.4e-5 measured)
+STEPS = 3
+# the runs compared step by step: the stages FSDP runs (the indexer stages are refused). bf16 autocast runs
+# under FSDP too but is not compared: each rank's rows make bf16 matmuls of another shape, which round
+# differently, and after AdamW steps the parameters differed by 26% of their movement (gradient norm 1.3%)
+RUNS = {"sft": {"stage": "sft"}, "dense": {"stage": "dense"}}
+
+
+def chats(n: int = 6) -> list[dict]:
+    return [{"messages": [{"role": "user", "content": f"What is {i} plus {i}?"},
+                          {"role": "assistant", "content": f"It is {2 * i}."}]} for i in range(n)]
+
+
+def examples(cfg) -> dict[str, list]:
+    """Text chats and image tasks: a batch whose images land on one rank exercises the idle vision path."""
+    return {"arithmetic": [render_chat(TOK, cfg, c["messages"]) for c in chats()],
+            "image": [task_example(TOK, cfg, t) for t in make_split("image", "train", 3)]}
+
+
+def global_batch(ex: dict[str, list]) -> list:
+    # rows 0 and 2 go to rank 0 (one image), rows 1 and 3 to rank 1 (text only)
+    return [ex["image"][0], ex["arithmetic"][0], ex["arithmetic"][1], ex["arithmetic"][2]]
+
+
+CONFIG = dict(batch_size=4, max_len=128, lr=5e-3, warmup_steps=1, seed=3, moe_bias_gamma=1e-2)
+
+
+def trainer(model, ex, out, **changes) -> Trainer:
+    return Trainer(model, TOK, Mixture(ex, seed=3), TrainConfig(**{**CONFIG, **changes}), out)
+
+
+def grads(model) -> dict[str, torch.Tensor | None]:
+    return {n: None if p.grad is None else (p.grad.full_tensor() if hasattr(p.grad, "full_tensor") else p.grad)
+            for n, p in model.named_parameters()}
+
+
+def worst_rel(got: dict, want: dict) -> float:
+    """max over tensors of ||got - want|| / ||want||; inf when they differ in which tensors are there."""
+    if got.keys() != want.keys() or any((got[k] is None) != (want[k] is None) for k in want):
+        return float("inf")
+    return max(float((got[k].double() - want[k].double()).norm() / want[k].double().norm().clamp_min(1e-30))
+               for k in want if want[k] is not None)
+
+
+def ce_over_row_groups(model, rows: list, groups: list[list[int]]) -> None:
+    """The definition, by hand: sum of token cross-entropies over all rows / all target tokens, one
+    backward per row group (the gradients accumulate)."""
+    cfg = model.config
+    n = sum(int((collate([rows[i]], 128, cfg, TOK.special.image)["targets"] != -100).sum()) for i in range(len(rows)))
+    for group in groups:
+        b = collate([rows[i] for i in group], 128, cfg, TOK.special.image)
+        embeds = torch.cat(model.encode_images(b["images"])) if b["images"] else None
+        logits = model(b["ids"], lengths=b["lengths"], image_embeds=embeds, image_mask=b["image_mask"])
+        loss = F.cross_entropy(logits.float().flatten(0, 1), b["targets"].flatten(), ignore_index=-100,
+                               reduction="sum") / n
+        loss.backward()
+
+
+def biases(model) -> list[list[float]]:
+    return [b.tolist() for n, b in model.named_buffers() if n.endswith("e_score_correction_bias")]
+
+
+def references(out: Path) -> dict:
+    """One process, no group: what the sharded runs must reproduce."""
+    ref = {}
+    model = tiny_model(seed=1).double().train()
+    ex = examples(model.config)
+    ce_over_row_groups(model, global_batch(ex), [[0, 2], [1, 3]])
+    ref["grads_fp64"] = grads(model)
+    model = tiny_model(seed=1).train()
+    ce_over_row_groups(model, global_batch(ex), [[0, 1, 2, 3]])
+    ref["grads_fp32"] = grads(model)
+    for stage, changes in RUNS.items():
+        t = trainer(tiny_model(seed=1), ex, out / f"ref-{stage}", **changes)
+        log = [t.step() for _ in range(STEPS)]
+        ref[stage] = {"log": log, "params": {n: p.detach().clone() for n, p in t.model.named_parameters()},
+                      "biases": biases(t.model)}
+    t = trainer(tiny_model(seed=1), {"arithmetic": ex["arithmetic"]}, out / "ref-eval", eval_n=1)
+    ref["heldout"] = t.validate_heldout()
+    return ref
+
+
+def sharded_checks(rank: int, ref: dict, out: Path, results: dict) -> None:
+    ex = examples(tiny_model().config)
+    # one step's gradients, float64, against the same row groups in one process
+    model = shard_for_training(tiny_model(seed=1).double())
+    t = trainer(model, ex, out / "fp64")
+    loss, _ = t.loss(t.rank_batch(global_batch(ex)))
+    loss.backward()
+    results["grads_fp64_same_rows"] = worst_rel(grads(model), ref["grads_fp64"])
+    # fp32 against one process on the whole batch
+    model = shard_for_training(tiny_model(seed=1))
+    t = trainer(model, ex, out / "fp32")
+    loss, _ = t.loss(t.rank_batch(global_batch(ex)))
+    loss.backward()
+    results["grads_fp32_whole_batch"] = worst_rel(grads(model), ref["grads_fp32"])
+    # a few optimizer steps in the stages FSDP runs, and under bf16 autocast
+    start = dict(tiny_model(seed=1).named_parameters())
+    for stage, changes in RUNS.items():
+        t = trainer(shard_for_training(tiny_model(seed=1)), ex, out / stage, **changes)
+        log = [t.step() for _ in range(STEPS)]
+        want = ref[stage]
+        keys = [k for k in want["log"][0] if "loss" in k]
+        results[f"{stage}_counts_equal"] = all(
+            (a["tokens"], a["target_tokens"], a["lr"]) == (b["tokens"], b["target_tokens"], b["lr"])
+            for a, b in zip(log, want["log"], strict=True))
+        results[f"{stage}_log_keys_equal"] = [list(e) for e in log] == [list(e) for e in want["log"]]
+        results[f"{stage}_loss_rel"] = max(abs(a[k] - b[k]) / max(abs(b[k]), 1e-12)
+                                           for a, b in zip(log, want["log"], strict=True) for k in keys)
+        results[f"{stage}_grad_norm_rel"] = max(abs(a["grad_norm"] - b["grad_norm"]) / b["grad_norm"]
+                                                for a, b in zip(log, want["log"], strict=True))
+        full = dict(gathered_model(t.model, everywhere=True).named_parameters())
+        # how far the parameters are from one process's, per tensor, relative to how far the steps moved them
+        results[f"{stage}_params_rel"] = max(
+            float((full[n].detach() - p).norm() / (p - start[n]).norm().clamp_min(1e-30))
+            for n, p in want["params"].items() if not torch.equal(p, start[n]))
+        results[f"{stage}_same_params_moved"] = [n for n in full if not torch.equal(full[n], start[n])] == [
+            n for n in full if not torch.equal(want["params"][n], start[n])]
+        mine = biases(t.model)
+        everyone = [None, None]
+        dist.all_gather_object(everyone, mine)
+        results[f"{stage}_bias_same_on_ranks"] = everyone[0] == everyone[1]
+        results[f"{stage}_bias_vs_one_process"] = max(abs(a - b) for x, y in zip(mine, want["biases"], strict=True)
+                                                      for a, b in zip(x, y, strict=True))
+        results[f"{stage}_bias_moved"] = any(v != 0.0 for row in mine for v in row)
+    # the gathered copy is the one-process model, and validation on it gives the one-process numbers
+    t = trainer(shard_for_training(tiny_model(seed=1)), {"arithmetic": ex["arithmetic"]}, out / "eval", eval_n=1)
+    full, want = gathered_model(t.model, everywhere=True).state_dict(), tiny_model(seed=1).state_dict()
+    results["gathered_equals_model"] = full.keys() == want.keys() and all(torch.equal(full[k], want[k]) for k in want)
+    got = t.validate_heldout()
+    results["heldout_equal"] = ({k: v for k, v in got.items() if k != "seconds"}
+                                == {k: v for k, v in ref["heldout"].items() if k != "seconds"})
+    # refused clearly, on every rank, before any collective could hang
+    for name, build in (("small_batch", lambda: trainer(shard_for_training(tiny_model()), ex, out / "x",
+                                                          batch_size=1)),
+                        ("indexer_stage", lambda: trainer(shard_for_training(tiny_model()), ex, out / "z",
+                                                          stage="sparse")),
+                        ("different_data", lambda: trainer(shard_for_training(tiny_model()),
+                                                           {"arithmetic": ex["arithmetic"][rank:]}, out / "y"))):
+        try:
+            build()
+            results[f"refused_{name}"] = ""
+        except ValueError as e:
+            results[f"refused_{name}"] = str(e)
+
+
+def cli_runs(results: dict, root: Path) -> None:
+    """`horizon train` on this rank (the group is already up: the command joins it and leaves it up)."""
+    args = ["train", "--data", str(root / "chats.jsonl"), "--domains", "image", "--per-domain", "3", "--batch-size",
+            "4", "--max-len", "128", "--lr", "5e-3", "--warmup", "2", "--seed", "3", "--save-every", "3",
+            "--no-progress"]
+    results["cli_rc"] = [horizon_main([*args, "--out", str(root / "two-straight"), "--steps", "6"]),
+                         horizon_main([*args, "--out", str(root / "two-resumed"), "--steps", "3"]),
+                         horizon_main(["train", "--out", str(root / "two-resumed"), "--resume", "--steps", "6",
+                                       "--no-progress"])]
+
+
+def main():
+    root = Path(os.environ["HORIZON_TEST_DIR"])
+    torch.set_num_threads(1)  # two ranks on two cores
+    rank = int(os.environ["RANK"])
+    scratch = root / f"scratch-{rank}"
+    results, error = {}, None
+    try:
+        ref = references(scratch)
+    except Exception:  # noqa: BLE001 - reported to the parent, which fails the test with it
+        error = traceback.format_exc()
+    group = init_group(device="cpu", timeout_s=60)
+    try:
+        if error is None:
+            sharded_checks(group.rank, ref, scratch, results)
+            cli_runs(results, root)
+    except Exception:  # noqa: BLE001 - as above
+        error = traceback.format_exc()
+    if error is not None:
+        print(f"rank {group.rank}: {error}", file=sys.stderr, flush=True)  # also here: the gather may time out
+    everyone = [None] * group.world
+    dist.all_gather_object(everyone, {"results": results, "error": error})
+    if group.rank == 0:
+        (root / "results.json").write_text(json.dumps({"ranks": everyone}))
+    destroy_group()
+
+
+if __name__ == "__main__":
+    main()
