@@ -4,4 +4,5 @@ import sys
 
 from horizon.cli import main
 
-sys.exit(main())
+if __name__ == "__main__":  # importing the module (pkgutil.walk_packages does) must not run the command
+    sys.exit(main())

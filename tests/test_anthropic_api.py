@@ -83,6 +83,18 @@ def wants_to_call(server: LiveServer, bias: float = 50.0):
     return engine_requests(server, biased)
 
 
+def never_ends(server: LiveServer):
+    """Steer the random model the way a long answer goes: no end of turn, so a request runs to max_tokens
+    (a sampled end token would otherwise end it at a random length, sometimes within a few tokens)."""
+    sp = server.service.tokenizer.special
+
+    def endless(request):
+        request.params.logit_bias = {**request.params.logit_bias, sp.assistant_end: -100.0, sp.end_of_text: -100.0}
+        return request
+
+    return engine_requests(server, endless)
+
+
 def wait_idle(server: LiveServer, timeout: float = 10.0) -> dict:
     deadline = time.time() + timeout
     while (m := server.engine.metrics())["running"] or m["queue_length"]:
@@ -332,17 +344,18 @@ def test_a_client_that_disconnects_frees_its_request_at_once(srv):
     body = {"model": MODEL, "max_tokens": 1100, "thinking": {"type": "enabled", "budget_tokens": 1024},
             "messages": [USER]}
     generated = srv.engine.stats.tokens_generated
-    with httpx.Client(headers={"x-api-key": srv.api_key}) as http:
-        with http.stream("POST", srv.url + "/v1/messages", json={**body, "stream": True}) as r:
-            seen = 0
-            for line in r.iter_lines():
-                seen += line == "event: content_block_delta"
-                if seen == 3:
-                    break
-    m = wait_idle(srv)
-    assert m["slots_free"] == srv.engine.config.max_num_seqs and m["blocks_used"] == m["blocks_prefix_cache"]
-    with pytest.raises(httpx.ReadTimeout):  # a plain request whose client gives up is cancelled too
-        post(srv, body, timeout=0.3)
+    with never_ends(srv):
+        with httpx.Client(headers={"x-api-key": srv.api_key}) as http:
+            with http.stream("POST", srv.url + "/v1/messages", json={**body, "stream": True}) as r:
+                seen = 0
+                for line in r.iter_lines():
+                    seen += line == "event: content_block_delta"
+                    if seen == 3:
+                        break
+        m = wait_idle(srv)
+        assert m["slots_free"] == srv.engine.config.max_num_seqs and m["blocks_used"] == m["blocks_prefix_cache"]
+        with pytest.raises(httpx.ReadTimeout):  # a plain request whose client gives up is cancelled too
+            post(srv, body, timeout=0.3)
     m = wait_idle(srv)
     assert m["slots_free"] == srv.engine.config.max_num_seqs and m["blocks_used"] == m["blocks_prefix_cache"]
     assert srv.engine.stats.tokens_generated - generated < 1100  # neither ran to its end (1100 tokens each)
