@@ -428,22 +428,32 @@ def _cmd_agent(args: argparse.Namespace) -> int:
     return 1 if result.stop_reason == "error" else 0
 
 
-def _cmd_train(args: argparse.Namespace) -> int:
+def _data_parallel(run, args: argparse.Namespace) -> int:
+    """train and rl: `run(args, sharded)` in one process, or under torchrun with FSDP over a gloo group that
+    is left to whoever started it (a caller that already joined one keeps it). A run every rank finished
+    leaves the group together (leave_group: a rank that closes first makes a peer abort at exit); a failed one
+    closes it at once (its peers fail on their collective timeout)."""
     import torch.distributed as dist
 
-    from horizon.parallel.group import destroy_group, env_world_size, init_group
+    from horizon.parallel.group import destroy_group, env_world_size, init_group, leave_group
 
     if env_world_size() == 1:
-        return _train(args, sharded=False)
-    # under torchrun: FSDP data parallelism over a gloo group (horizon.parallel.fsdp); the group is left to
-    # whoever started it (a caller that already joined one keeps it)
+        return run(args, sharded=False)
     owned = not dist.is_initialized()
     init_group("cpu")
     try:
-        return _train(args, sharded=True)
-    finally:
+        code = run(args, sharded=True)
+    except BaseException:
         if owned:
             destroy_group()
+        raise
+    if owned:
+        leave_group()
+    return code
+
+
+def _cmd_train(args: argparse.Namespace) -> int:
+    return _data_parallel(_train, args)
 
 
 def _train(args: argparse.Namespace, sharded: bool) -> int:
@@ -535,20 +545,28 @@ def _train(args: argparse.Namespace, sharded: bool) -> int:
 
 
 def _cmd_rl(args: argparse.Namespace) -> int:
+    from horizon.parallel.group import env_world_size
+
+    if env_world_size() > 1 and not args.no_indexer_loss:  # before the group forms or any weight loads
+        raise ValueError(f"WORLD_SIZE={env_world_size()}: horizon rl under torchrun (FSDP) needs --no-indexer-loss: "
+                         f"the DSA indexer loss recomputes attention outside the layers' forward, where FSDP holds "
+                         f"only shards of their weights (or run in one process)")
+    return _data_parallel(_rl, args)
+
+
+def _rl(args: argparse.Namespace, sharded: bool) -> int:
+    """horizon rl; sharded: under torchrun, FSDP over the ranks, each rolling out its share of the groups on
+    an unsharded copy of the weights (horizon.train.rl)."""
     from pathlib import Path
 
     import torch
 
     from horizon.checkpoint import open_model
     from horizon.engine import Engine, EngineConfig
-    from horizon.parallel.group import env_world_size
+    from horizon.parallel import fsdp
     from horizon.train.rl import RLConfig, RLTrainer
     from horizon.train.trainer import TRAINER_STATE, TrainConfig, config_from_dict
 
-    if env_world_size() > 1:  # before any weight loads
-        raise ValueError(f"WORLD_SIZE={env_world_size()}: horizon rl runs in one process only: its rollouts decode "
-                         f"through the engine, and through FSDP-sharded modules ranks running different numbers of "
-                         f"forwards would hang; run it without torchrun")
     out = Path(args.out)
     state = out / "checkpoint" / TRAINER_STATE / "state.json"
     source = out / "checkpoint" if args.resume else Path(args.init)
@@ -571,17 +589,26 @@ def _cmd_rl(args: argparse.Namespace) -> int:
         config = TrainConfig(steps=args.steps or 100, lr=args.lr, warmup_steps=args.warmup, seed=args.seed,
                              save_every=args.save_every, log_every=args.log_every, max_len=args.max_len,
                              weight_decay=0.0, **_validation(args))
+    rollout_model = model
+    if sharded:  # every rank loaded the same model; it keeps its shard and rolls out on a plain copy
+        model = fsdp.shard_for_training(model)
+        rollout_model = fsdp.gathered_model(model, everywhere=True)
     # sized from the run's own settings (a resume's come from its state, not from the command line)
-    engine = Engine(model, tokenizer, EngineConfig(max_num_seqs=min(64, rl.prompts_per_step * rl.group_size),
-                                                   max_batch_tokens=4096), generation_config=generation_config)
+    # each rank's engine decodes its own groups alone (lockstep=False): data-parallel rollouts
+    engine = Engine(rollout_model, tokenizer, EngineConfig(max_num_seqs=min(64, rl.prompts_per_step * rl.group_size),
+                                                           max_batch_tokens=4096, lockstep=False),
+                    generation_config=generation_config)
     init = args.init if args.init == "bundled" else str(Path(args.init).resolve())  # a resume: the state's
     trainer = RLTrainer(model, tokenizer, engine, config, rl, out, generation_config, init=init)
     if args.resume:
         trainer.restore()
-    print(f"horizon rl: {','.join(rl.domains)}, {rl.prompts_per_step} tasks x {rl.group_size} rollouts per step, "
-          f"step {trainer.step_idx} -> {config.steps}", flush=True)
+    if trainer.writer:
+        ranks = f" on {trainer.world} ranks (FSDP)" if sharded else ""
+        print(f"horizon rl: {','.join(rl.domains)}, {rl.prompts_per_step} tasks x {rl.group_size} rollouts per step"
+              f"{ranks}, step {trainer.step_idx} -> {config.steps}", flush=True)
     trainer.train(progress=not args.no_progress, max_minutes=args.max_minutes)
-    print(f"done: checkpoint {trainer.checkpoint_dir}, log {out / 'rl_log.jsonl'}, plot {out / 'rl_curves.png'}")
+    if trainer.writer:
+        print(f"done: checkpoint {trainer.checkpoint_dir}, log {out / 'rl_log.jsonl'}, plot {out / 'rl_curves.png'}")
     return 0
 
 

@@ -21,10 +21,13 @@ import torch.nn.functional as F
 
 from horizon.chat import load_tokenizer
 from horizon.cli import main as horizon_main
+from horizon.engine import Engine, EngineConfig
 from horizon.parallel import destroy_group, init_group
 from horizon.parallel.fsdp import gathered_model, shard_for_training
+from horizon.quant.layers import MXFP4Experts, quantize_model
 from horizon.tasks import make_split
 from horizon.train import Mixture, TrainConfig, Trainer, collate, render_chat, task_example
+from horizon.train.rl import RLConfig, RLTrainer
 from tests.conftest import tiny_model
 
 TOK = load_tokenizer()
@@ -35,12 +38,54 @@ FP32_GRAD_TOL = 1e-5  # 2 ranks vs one process on the whole batch, fp32 (batch s
 # rounding noise) take lr-sized steps of either sign: this is the loosest of the measures (1e-4 measured)
 FP32_PARAM_TOL = 1e-3
 FP32_LOSS_TOL = 1e-5  # logged losses, relative (3e-7 measured over 6 steps; 2e-6 over 3 with lr 5e-3)
-FP32_GRAD_NORM_TOL = 1e-4  # logged gradient norms, relative (1.4e-5 measured)
+# logged gradient norms, relative: 1.3e-6 at the first step, then growing as AdamW moves the two runs' weights
+# apart (above): 2e-5 at step 3, 2.1e-4 at step 6 (measured on a 2-core AVX-512 machine)
+FP32_GRAD_NORM_TOL = 1e-3
+# the KL to the anchor after a step: a sum of tiny log-probability differences, so relative agreement is looser
+# (1.8e-4 measured after one step)
+KL_TOL = 1e-3
 STEPS = 3
 # the runs compared step by step: the stages FSDP runs (the indexer stages are refused). bf16 autocast runs
 # under FSDP too but is not compared: each rank's rows make bf16 matmuls of another shape, which round
 # differently, and after AdamW steps the parameters differed by 26% of their movement (gradient norm 1.3%)
 RUNS = {"sft": {"stage": "sft"}, "dense": {"stage": "dense"}}
+
+
+# RL: seed 4 draws the domains image, arithmetic, image for the step's 3 groups, so rank 0 (groups 0 and 2) has
+# images and twice the sequences of rank 1 (group 1, text): rank 1 runs idle micro-batches and encodes an idle
+# image. Each group holds its reference (guide) beside 2 rollouts of the random model, so every rollout has an
+# advantage; one sequence per micro-batch keeps the same matmul shapes as one process; KL on (the anchor copy)
+RL = dict(domains=["image", "arithmetic"], prompts_per_step=3, group_size=2, max_tokens=6, max_episode_steps=1,
+          indexer_loss=False, guide=True, kl_coef=0.1, micro_batch=1)
+RL_CONFIG = dict(lr=5e-3, warmup_steps=1, seed=4, weight_decay=0.0, max_len=256)
+RL_STEPS = 2
+RL_CLI = ["rl", "--domains", "image,arithmetic", "--prompts", "3", "--group", "2", "--max-tokens", "6",
+          "--episode-steps", "1", "--guide", "--kl", "0.1", "--micro-batch", "1", "--no-indexer-loss", "--lr", "5e-3",
+          "--warmup", "1", "--seed", "4", "--steps", "2", "--save-every", "2", "--no-progress"]
+
+
+def rl_trainer(model, out: Path, sharded: bool = False) -> RLTrainer:
+    """The RL trainer over `model`; sharded, its engine decodes an unsharded copy, as `horizon rl` does."""
+    engine = Engine(gathered_model(model, everywhere=True) if sharded else model, TOK,
+                    EngineConfig(max_num_seqs=8, max_batch_tokens=1024, lockstep=False))
+    return RLTrainer(model, TOK, engine, TrainConfig(**RL_CONFIG), RLConfig(**RL), out)
+
+
+def full_params(t: RLTrainer) -> dict[str, torch.Tensor]:
+    full = gathered_model(t.model, everywhere=True) if t.sharded else t.model
+    return {n: p.detach().clone() for n, p in full.named_parameters()}
+
+
+def rl_run(t: RLTrainer) -> dict:
+    """RL_STEPS steps: their log, the first step's gradients (both runs start from the same weights there), the
+    parameters after the last step and before it (what the last step's rollouts decoded)."""
+    log = [t.step()]
+    first_grads = grads(t.model)
+    for _ in range(RL_STEPS - 2):
+        log.append(t.step())
+    before = full_params(t)
+    log.append(t.step())
+    return {"log": log, "grads": first_grads, "params": full_params(t), "before_last": before}
 
 
 def chats(n: int = 6) -> list[dict]:
@@ -114,7 +159,41 @@ def references(out: Path) -> dict:
                       "biases": biases(t.model)}
     t = trainer(tiny_model(seed=1), {"arithmetic": ex["arithmetic"]}, out / "ref-eval", eval_n=1)
     ref["heldout"] = t.validate_heldout()
+    ref["rl"] = rl_run(rl_trainer(tiny_model(seed=1), out / "ref-rl"))
     return ref
+
+
+RL_EXACT = ("step", "lr", "sequences", "trained_rollouts", "tokens", "guided_groups", "domains")
+
+
+def rl_checks(ref: dict, out: Path, results: dict) -> None:
+    """RL under FSDP: each rank rolls out its groups on its copy and trains on them; the step equals one
+    process's (the same rollouts, rewards and counts; losses, gradients and parameters within fp32 sums)."""
+    t = rl_trainer(shard_for_training(tiny_model(seed=1)), out / "rl", sharded=True)
+    got, want = rl_run(t), ref["rl"]
+    log = got["log"]
+    results["rl_exact_equal"] = [{k: e[k] for k in RL_EXACT} for e in log] == [{k: e[k] for k in RL_EXACT}
+                                                                               for e in want["log"]]
+    # per step: the first from the same weights; later ones from weights AdamW moved by slightly different
+    # gradients (see FP32_PARAM_TOL), so their numbers agree less closely
+    results["rl_loss_rel"] = [max(abs(a[k] - b[k]) / max(abs(b[k]), 1e-12) for k in ("loss", "pg_loss", "grad_norm"))
+                              for a, b in zip(log, want["log"], strict=True)]
+    results["rl_kl"] = [(a["kl"], b["kl"]) for a, b in zip(log, want["log"], strict=True)]
+    results["rl_grads_rel"] = worst_rel(got["grads"], want["grads"])
+    start = dict(tiny_model(seed=1).named_parameters())
+
+    def params_rel(mine: dict, theirs: dict) -> float:  # as for the supervised runs: relative to the movement
+        return max(float((mine[n] - p).norm() / (p - start[n]).norm().clamp_min(1e-30))
+                   for n, p in theirs.items() if not torch.equal(p, start[n]))
+
+    results["rl_params_rel"] = params_rel(got["params"], want["params"])
+    # the last step's rollouts decoded the weights the step before it left (copied into the engine's model)
+    results["rl_copy_rel"] = params_rel(dict(t.engine.model.named_parameters()), want["before_last"])
+    try:
+        RLTrainer(t.model, TOK, t.engine, TrainConfig(**RL_CONFIG), RLConfig(**{**RL, "indexer_loss": True}), out / "x")
+        results["refused_rl_indexer_loss"] = ""
+    except ValueError as e:
+        results["refused_rl_indexer_loss"] = str(e)
 
 
 def sharded_checks(rank: int, ref: dict, out: Path, results: dict) -> None:
@@ -164,6 +243,14 @@ def sharded_checks(rank: int, ref: dict, out: Path, results: dict) -> None:
     t = trainer(shard_for_training(tiny_model(seed=1)), {"arithmetic": ex["arithmetic"]}, out / "eval", eval_n=1)
     full, want = gathered_model(t.model, everywhere=True).state_dict(), tiny_model(seed=1).state_dict()
     results["gathered_equals_model"] = full.keys() == want.keys() and all(torch.equal(full[k], want[k]) for k in want)
+    # a model with MXFP4 experts (trained from the bundled checkpoint: the packed experts stay frozen buffers)
+    # gathers to the same modules and bytes
+    quantized = quantize_model(tiny_model(seed=1))
+    want = {k: v.clone() for k, v in quantized.state_dict().items()}
+    copy = gathered_model(shard_for_training(quantized), everywhere=True)
+    full = copy.state_dict()
+    results["gathered_mxfp4_equal"] = (full.keys() == want.keys() and all(torch.equal(full[k], want[k]) for k in want)
+                                       and any(isinstance(m, MXFP4Experts) for m in copy.modules()))
     got = t.validate_heldout()
     results["heldout_equal"] = ({k: v for k, v in got.items() if k != "seconds"}
                                 == {k: v for k, v in ref["heldout"].items() if k != "seconds"})
@@ -189,7 +276,8 @@ def cli_runs(results: dict, root: Path) -> None:
     results["cli_rc"] = [horizon_main([*args, "--out", str(root / "two-straight"), "--steps", "6"]),
                          horizon_main([*args, "--out", str(root / "two-resumed"), "--steps", "3"]),
                          horizon_main(["train", "--out", str(root / "two-resumed"), "--resume", "--steps", "6",
-                                       "--no-progress"])]
+                                       "--no-progress"]),
+                         horizon_main([*RL_CLI, "--init", str(root / "tiny"), "--out", str(root / "rl-two")])]
 
 
 def main():
@@ -206,6 +294,7 @@ def main():
     try:
         if error is None:
             sharded_checks(group.rank, ref, scratch, results)
+            rl_checks(ref, scratch, results)
             cli_runs(results, root)
     except Exception:  # noqa: BLE001 - as above
         error = traceback.format_exc()

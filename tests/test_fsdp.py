@@ -18,10 +18,11 @@ import pytest
 import torch
 from safetensors.torch import load_file
 
-from horizon.checkpoint import load
+from horizon.checkpoint import load, save
 from horizon.cli import main
 from horizon.server.background import free_port
 from tests import _fsdp_ranks as ranks
+from tests.conftest import tiny_model
 
 ROOT = Path(__file__).resolve().parents[1]
 
@@ -30,6 +31,7 @@ ROOT = Path(__file__).resolve().parents[1]
 def run_dir(tmp_path_factory):
     root = tmp_path_factory.mktemp("fsdp")
     (root / "chats.jsonl").write_text("\n".join(json.dumps(c) for c in ranks.chats()) + "\n")
+    save(tiny_model(seed=1), root / "tiny", tokenizer=ranks.TOK)  # where `horizon rl` starts
     env = {**os.environ, "HORIZON_TEST_DIR": str(root), "OMP_NUM_THREADS": "1"}
     proc = subprocess.run([sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", "2",
                            "--master-addr", "127.0.0.1", "--master-port", str(free_port()),
@@ -71,7 +73,7 @@ def test_a_few_steps_equal_one_process(rank_results, stage):
 
 def test_validation_decodes_a_gathered_copy_like_one_process(rank_results):
     for results in rank_results:
-        assert results["gathered_equals_model"] and results["heldout_equal"]
+        assert results["gathered_equals_model"] and results["heldout_equal"] and results["gathered_mxfp4_equal"]
 
 
 def test_what_cannot_run_sharded_is_refused_on_every_rank(rank_results):
@@ -104,7 +106,7 @@ def one_rank(run_dir):
 
 
 def test_two_rank_train_resumes_exactly(rank_results, run_dir):
-    assert all(results["cli_rc"] == [0, 0, 0] for results in rank_results)
+    assert all(results["cli_rc"] == [0, 0, 0, 0] for results in rank_results)
     straight, resumed = run_dir / "two-straight", run_dir / "two-resumed"
     assert _log(resumed) == [{**e, "tokens_per_s": r["tokens_per_s"], "seconds": r["seconds"]}
                              for e, r in zip(_log(straight), _log(resumed), strict=True)]
@@ -133,10 +135,49 @@ def test_two_rank_train_matches_one_rank(run_dir, one_rank):
     two_model, one_model = load(run_dir / "two-straight" / "checkpoint"), load(one_rank / "checkpoint")
     ids = torch.arange(1, 40)[None]
     with torch.no_grad():
-        assert torch.allclose(two_model(ids), one_model(ids), rtol=0, atol=1e-4)
+        # after 6 AdamW steps the runs' weights have drifted apart by reduction order (_fsdp_ranks, FP32_PARAM_TOL):
+        # 5e-4 measured on logits of about 1
+        assert torch.allclose(two_model(ids), one_model(ids), rtol=0, atol=2e-3)
 
 
-def test_rl_refuses_world_size_above_one_before_loading(monkeypatch, capsys, tmp_path):
+def test_rl_step_on_two_ranks_equals_one_process(rank_results):
+    """Each rank rolls out its own groups on an unsharded copy of the weights and trains on them under FSDP:
+    the same rollouts, rewards and counts as one process; losses, gradients and parameters within fp32 sums;
+    the rollout copy holds the weights the previous update left. The indexer loss is refused."""
+    for results in rank_results:
+        assert results["rl_exact_equal"]
+        assert max(results["rl_loss_rel"]) <= ranks.FP32_LOSS_TOL  # loss, policy-gradient loss, gradient norm
+        (first, first_ref), (later, later_ref) = results["rl_kl"]
+        assert first == first_ref == 0.0 and abs(later - later_ref) <= ranks.KL_TOL * later_ref
+        assert results["rl_grads_rel"] <= ranks.FP32_GRAD_TOL
+        assert results["rl_params_rel"] <= ranks.FP32_PARAM_TOL
+        assert results["rl_copy_rel"] <= ranks.FP32_PARAM_TOL
+        assert "pass --no-indexer-loss" in results["refused_rl_indexer_loss"]
+
+
+def test_two_rank_horizon_rl_matches_one_process(run_dir):
+    """`horizon rl` on 2 ranks (the command joins the group) against the same command in one process: the same
+    rollouts and counts, losses within fp32 sums, and a checkpoint in the one-process layout."""
+    one = run_dir / "rl-one"
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    try:
+        assert main([*ranks.RL_CLI, "--init", str(run_dir / "tiny"), "--out", str(one)]) == 0
+    finally:
+        torch.set_num_threads(threads)
+    logs = [[json.loads(line) for line in (run / "rl_log.jsonl").read_text().splitlines()]
+            for run in (run_dir / "rl-two", one)]
+    assert [e["step"] for e in logs[0]] == [e["step"] for e in logs[1]] == [1, 2]
+    for a, b in zip(*logs, strict=True):
+        assert {k: a[k] for k in ranks.RL_EXACT} == {k: b[k] for k in ranks.RL_EXACT}
+        for key, tol in (("loss", ranks.FP32_LOSS_TOL), ("pg_loss", ranks.FP32_LOSS_TOL),
+                         ("grad_norm", ranks.FP32_GRAD_NORM_TOL), ("kl", ranks.KL_TOL)):
+            assert abs(a[key] - b[key]) <= tol * abs(b[key]), (key, a[key], b[key])
+    a, b = (load_file(run / "checkpoint" / "model.safetensors") for run in (run_dir / "rl-two", one))
+    assert {k: (v.shape, v.dtype) for k, v in a.items()} == {k: (v.shape, v.dtype) for k, v in b.items()}
+
+
+def test_rl_under_torchrun_refuses_the_indexer_loss_before_loading(monkeypatch, capsys, tmp_path):
     import horizon.checkpoint
 
     def no_load(*args, **kwargs):
@@ -147,8 +188,7 @@ def test_rl_refuses_world_size_above_one_before_loading(monkeypatch, capsys, tmp
     assert main(["rl", "--out", str(tmp_path / "rl")]) == 2
     err = capsys.readouterr().err
     assert err.count("\n") == 1 and "Traceback" not in err
-    assert err.startswith("horizon rl: error: WORLD_SIZE=2: horizon rl runs in one process only")
-    assert "would hang" in err and "run it without torchrun" in err
+    assert err.startswith("horizon rl: error: WORLD_SIZE=2: horizon rl under torchrun (FSDP) needs --no-indexer-loss")
 
 
 def test_torchrun_horizon_train_with_validation(tmp_path):

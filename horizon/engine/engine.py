@@ -59,6 +59,10 @@ class EngineConfig:
     # reference (horizon serve compiles unless --enforce-eager; library users opt in, since a graph
     # takes about a minute to compile on 2 cores and freezes the weights it was compiled with)
     compile: bool = False
+    # under a process group of N > 1 ranks: run in lockstep with the other ranks' engines (tensor parallelism;
+    # rank 0 drives). False: this rank's engine alone, over a model it holds whole (data parallelism: each
+    # FSDP rank rolls out its own RL groups)
+    lockstep: bool = True
 
     def validate(self) -> None:
         for name in ("max_num_seqs", "block_size", "max_batch_tokens"):
@@ -202,7 +206,7 @@ class Engine:
         self._closed: str | None = None  # why new requests are refused (close()), or None
         # tensor parallelism (horizon.parallel): every rank runs this engine; rank 0 drives (takes requests,
         # samples) and broadcasts what the others must do, so their schedulers and caches stay identical
-        self.ranks, self.is_driver = world_size(), rank() == 0
+        self.ranks, self.is_driver = (world_size(), rank() == 0) if config.lockstep else (1, True)
         self._followers_stopped = False
         if self.ranks > 1:
             mine = (self.cache.num_blocks, config.max_num_seqs, self.max_model_len, config.block_size)

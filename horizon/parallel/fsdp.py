@@ -42,6 +42,7 @@ from torch.distributed.tensor import DTensor, distribute_tensor
 
 from horizon.model.model import HorizonForCausalLM
 from horizon.parallel.group import all_reduce, broadcast_object, rank, world_size
+from horizon.quant.layers import MXFP4Experts, MXFP4Linear, empty_quantized_model
 
 
 def shard_for_training(model: HorizonForCausalLM) -> HorizonForCausalLM:
@@ -118,6 +119,11 @@ def gathered_model(model: HorizonForCausalLM, everywhere: bool = False) -> Horiz
         return None
     with torch.device("meta"):
         copy = HorizonForCausalLM(model.config, init=False)
+    # a model trained from an MXFP4 checkpoint keeps its routed experts (and any MXFP4 projections) packed and
+    # frozen, as replicated buffers: the copy takes the same modules
+    kinds = {type(m) for m in model.modules()}
+    if MXFP4Experts in kinds or MXFP4Linear in kinds:
+        empty_quantized_model(copy, attention=MXFP4Linear in kinds)
     copy.load_state_dict(full, assign=True)
     if model.config.tie_word_embeddings:  # assign gave the two names two tensors
         copy.lm_head.weight = copy.embed.weight
@@ -129,6 +135,15 @@ def gathered_model(model: HorizonForCausalLM, everywhere: bool = False) -> Horiz
             copy.get_submodule(owner).register_buffer(leaf, buf.detach().clone(), persistent=False)
     copy.cache_config = model.cache_config
     return copy.train(model.training)
+
+
+def copy_weights(model: HorizonForCausalLM, into: HorizonForCausalLM) -> None:
+    """Copy a sharded model's full weights into `into`, an unsharded copy (gathered_model(everywhere=True))
+    every rank holds, in place: an engine built over `into` keeps decoding the current weights (RL's
+    rollouts after each update) without being rebuilt. Every rank must call it (it all-gathers)."""
+    full = get_model_state_dict(model, options=StateDictOptions(full_state_dict=True))
+    with torch.no_grad():
+        into.load_state_dict(full)
 
 
 def full_optimizer_state(model: nn.Module, optimizer: torch.optim.Optimizer) -> dict[str, dict[str, torch.Tensor]]:

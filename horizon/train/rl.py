@@ -33,6 +33,8 @@ resumes exactly where it stopped.
 from __future__ import annotations
 
 import copy
+import hashlib
+import json
 import math
 import random
 import sys
@@ -41,6 +43,7 @@ from dataclasses import asdict, dataclass, field
 from typing import Any
 
 import torch
+import torch.distributed as dist
 import torch.nn.functional as F
 
 from horizon.agent import Agent, AgentConfig, fixed_policy
@@ -49,10 +52,11 @@ from horizon.chat.images import decode_conversation, image_parts
 from horizon.checkpoint import open_model
 from horizon.eval import reward_of, run_lockstep, task_tools
 from horizon.model.options import ForwardOptions
+from horizon.parallel import all_reduce, fsdp
 from horizon.tasks import get_domain
 from horizon.train.data import Example, collate, task_example
 from horizon.train.indexer import indexer_losses
-from horizon.train.trainer import TrainConfig, Trainer, stage_options
+from horizon.train.trainer import TrainConfig, Trainer, image_inputs, stage_options
 
 
 class RewardNormalizer:
@@ -200,6 +204,15 @@ class RLTrainer(Trainer):
         self.generator = torch.Generator().manual_seed(config.seed)
         self.normalizer = RewardNormalizer()
         self.next_seed = config.seed * 1_000_003
+        if fsdp.is_sharded(model):
+            if engine.model is model or engine.ranks > 1:
+                raise ValueError("horizon rl under FSDP: each rank rolls out its own groups, so its engine must "
+                                 "decode an unsharded copy (horizon.parallel.fsdp.gathered_model(model, "
+                                 "everywhere=True)) alone (EngineConfig(lockstep=False))")
+            if rl.indexer_loss:
+                raise ValueError(f"horizon rl under FSDP (WORLD_SIZE={dist.get_world_size()}): the DSA indexer loss "
+                                 f"recomputes attention outside the layers' forward, where FSDP holds only shards of "
+                                 f"their weights; pass --no-indexer-loss, or run in one process")
         config.stage = "sparse" if rl.indexer_loss else "sft"
         super().__init__(model, tokenizer, self, config, out_dir, generation_config)
         self.engine = engine
@@ -208,9 +221,19 @@ class RLTrainer(Trainer):
         self.init = init
         self.reference = None
         if rl.kl_coef > 0:
-            self.reference = copy.deepcopy(model).eval()  # its forwards take the default options: no indexer taps
+            # a frozen plain copy (under FSDP every rank holds it whole: it only runs forwards, no collectives);
+            # its forwards take the default options: no indexer taps
+            self.reference = (fsdp.gathered_model(model, everywhere=True) if self.sharded
+                              else copy.deepcopy(model)).eval()
             for p in self.reference.parameters():
                 p.requires_grad_(False)
+
+    def digest(self) -> str:
+        """What every rank must hold alike to draw the same steps (checked under FSDP): the RL settings, the
+        task counter and the sampler's state."""
+        h = hashlib.sha256(json.dumps([asdict(self.rl), self.next_seed], sort_keys=True).encode())
+        h.update(self.generator.get_state().numpy().tobytes())
+        return h.hexdigest()
 
     # --- rollouts --------------------------------------------------------------------------------------
     def _domain_weights(self) -> torch.Tensor:
@@ -219,25 +242,33 @@ class RLTrainer(Trainer):
         return torch.tensor(w)
 
     def rollouts(self) -> list[dict[str, Any]]:
-        """prompts_per_step tasks x group_size episodes, run in lockstep; one record per episode."""
+        """prompts_per_step tasks x group_size episodes, run in lockstep; one record per episode, with its
+        `index` in the step's global order (group by group, then each group's guide). Under FSDP this rank
+        runs the groups g with g % world == rank, on its unsharded copy of the current weights; every rank
+        draws the whole step's plan (tasks, tiers, seeds) in the same order, so a rollout is the same
+        whatever the number of ranks."""
         rl = self.rl
         picks = torch.multinomial(self._domain_weights(), rl.prompts_per_step, replacement=True,
                                   generator=self.generator).tolist()
         rng = random.Random(int(torch.randint(2**31, (1,), generator=self.generator)))
         runs = []
-        for k in picks:
+        for g, k in enumerate(picks):
             name = rl.domains[k]
             task = self.domains[name].generate(self.next_seed, "train")
             self.next_seed += 1
-            for _ in range(rl.group_size):
-                tier = rng.choice(rl.tiers)
+            for m in range(rl.group_size):
+                tier, seed = rng.choice(rl.tiers), rng.randrange(2**31)
+                if g % self.world != self.rank:
+                    continue
                 tools = task_tools(task, str(self.out))
                 agent = Agent(self.client, tools, fixed_policy(tier),
                               AgentConfig(max_steps=rl.max_episode_steps, max_tokens_per_step=rl.max_tokens,
-                                          temperature=rl.temperature, seed=rng.randrange(2**31)))
+                                          temperature=rl.temperature, seed=seed))
                 episode = agent.episode(task.messages[-1]["content"], task.messages[:-1] or None)
-                runs.append({"task": task, "group": len(runs) // rl.group_size, "tier": tier, "tools": tools,
-                             "episode": episode})
+                runs.append({"index": g * rl.group_size + m, "task": task, "group": g, "tier": tier,
+                             "tools": tools, "episode": episode})
+        if self.sharded:  # the engine decodes a plain copy (FSDP modules must not run in an engine)
+            fsdp.copy_weights(self.model, self.engine.model)
         self.model.eval()
         self.engine.clear_prefix_cache()  # the weights changed since the cached states were computed
         run_lockstep(self.client, [r["episode"] for r in runs])
@@ -251,7 +282,10 @@ class RLTrainer(Trainer):
             r["images"] = [pixels[id(part)] for _, part in image_parts(result.messages)]
             r["cost"] = self._thinking_cost(r["tier"], r["thinking"])
         if rl.guide:
-            runs += [self._guide(runs[g * rl.group_size]) for g in range(len(picks))]
+            first = {}
+            for r in runs:
+                first.setdefault(r["group"], r)
+            runs += [{**self._guide(r), "index": len(picks) * rl.group_size + g} for g, r in first.items()]
         return runs
 
     def _guide(self, first: dict[str, Any]) -> dict[str, Any]:
@@ -269,49 +303,82 @@ class RLTrainer(Trainer):
         """thinking_cost per whole budget of the tier (a rollout without a tier: per token)."""
         return self.rl.thinking_cost * thinking / (self.budgets[tier] if tier else 1)
 
+    def _everyones(self, records: list[dict[str, Any]]) -> list[dict[str, Any]]:
+        """Every rank's records (small dicts with an `index`), in index order: the whole step as one process
+        sees it. In one process: the records, sorted."""
+        if self.sharded:
+            everyone: list[list[dict[str, Any]] | None] = [None] * self.world
+            dist.all_gather_object(everyone, records)
+            records = [r for part in everyone for r in part]
+        return sorted(records, key=lambda r: r["index"])
+
     # --- one step --------------------------------------------------------------------------------------
     def step(self) -> dict[str, Any]:
+        """One step. Under FSDP each rank rolls out and trains on its own groups; the per-rollout numbers the
+        statistics and advantages need (domain, reward, cost, tokens) are gathered, so every rank computes
+        the whole step's normalisation, advantages and token weights as one process does, and the ranks'
+        losses add up to the one-process loss (FSDP sums the gradients)."""
         cfg, rl, model = self.config, self.rl, self.model
         t0 = time.perf_counter()
         runs = self.rollouts()
         t_rollout = time.perf_counter() - t0
+        # this rank's sequences: the tokens of each rollout it ran (its guides: the reference)
+        seqs = [(r["index"], ex) for r in runs
+                for ex in ([r["guide"]] if "guide" in r else rollout_examples(r["episode"].turns, r["images"]))]
+        tokens: dict[int, int] = {}
+        for i, ex in seqs:
+            tokens[i] = tokens.get(i, 0) + sum(ex.mask[1:])
+        every = self._everyones([{"index": r["index"], "domain": r["task"].domain, "group": r["group"],
+                                  "reward": r["reward"], "cost": r["cost"], "thinking": r["thinking"],
+                                  "guide": "guide" in r, "tokens": tokens.get(r["index"], 0),
+                                  "sequences": sum(i == r["index"] for i, _ in seqs)} for r in runs])
         by_domain: dict[str, list[dict]] = {}  # the policy's own rollouts: what the statistics describe
-        for r in runs:
-            if "guide" not in r:
-                by_domain.setdefault(r["task"].domain, []).append(r)
+        for r in every:
+            if not r["guide"]:
+                by_domain.setdefault(r["domain"], []).append(r)
         for name, rs in by_domain.items():
             self.normalizer.update(name, [r["reward"] for r in rs])
             acc = sum(r["reward"] for r in rs) / len(rs)
             self.accuracy[name] = 0.9 * self.accuracy[name] + 0.1 * acc
-        adv = advantages([r["task"].domain for r in runs], [r["group"] for r in runs], [r["reward"] for r in runs],
-                         self.normalizer, [r["cost"] for r in runs], rl.group_std, rl.clip)
-        for r, a in zip(runs, adv, strict=True):
-            r["norm"], r["advantage"] = self.normalizer.normalize(r["task"].domain, r["reward"]), a
-        # the update: the sequences of every rollout, in micro-batches whose gradients add up to the loss
-        seqs = [(i, ex) for i, r in enumerate(runs)
-                for ex in ([r["guide"]] if "guide" in r else rollout_examples(r["episode"].turns, r["images"]))]
-        seqs.sort(key=lambda s: len(s[1].ids))  # similar lengths share a micro-batch: little padding
-        n_tokens = torch.zeros(len(runs))
-        for i, ex in seqs:
-            n_tokens[i] += sum(ex.mask[1:])
+        adv = advantages([r["domain"] for r in every], [r["group"] for r in every], [r["reward"] for r in every],
+                         self.normalizer, [r["cost"] for r in every], rl.group_std, rl.clip)
+        position = {r["index"]: k for k, r in enumerate(every)}  # a rollout's index -> its row in `every`
+        for r, a in zip(every, adv, strict=True):
+            r["norm"], r["advantage"] = self.normalizer.normalize(r["domain"], r["reward"]), a
+        n_tokens = torch.tensor([float(r["tokens"]) for r in every])
         weight = token_weights(adv, n_tokens)  # over all rollouts, so dropping the flat ones changes no weight
+        seqs = [(position[i], ex) for i, ex in seqs]
+        seqs.sort(key=lambda s: len(s[1].ids))  # similar lengths share a micro-batch: little padding
         if not rl.train_flat:
             # a rollout with advantage 0 (its group all scored alike) adds nothing to the policy gradient, and
             # near the ceiling most groups do: skipping their forwards and backwards makes the step several
             # times cheaper with the same policy gradient; the KL and indexer terms then see the rest only
             seqs = [(i, ex) for i, ex in seqs if adv[i] != 0.0]
-        trained = list({i for i, _ in seqs})  # the rollouts the update sees
+        trained = [k for k, r in enumerate(every) if r["sequences"] and (rl.train_flat or adv[k] != 0.0)]
         lr = self.begin_update()
         model.train()
         pg_total, kl_sum, indexer_total = 0.0, 0.0, 0.0
         kl_tokens = max(1.0, float(n_tokens[trained].sum()))
         chunks = [seqs[k: k + rl.micro_batch] for k in range(0, len(seqs), rl.micro_batch)]
+        if self.sharded:
+            # FSDP: every rank runs as many forwards and backwards (each all-gathers and reduce-scatters):
+            # a rank with fewer micro-batches runs idle ones, a 2-token sequence weighted 0
+            most = torch.tensor([len(chunks)])
+            dist.all_reduce(most, op=dist.ReduceOp.MAX)
+            chunks += [[] for _ in range(int(most) - len(chunks))]
         for chunk in chunks:
-            owners = torch.tensor([i for i, _ in chunk])
-            batch = collate([ex for _, ex in chunk], cfg.max_len, model.config, self.tokenizer.special.image)
+            owners = torch.tensor([i for i, _ in chunk], dtype=torch.long)
+            batch = collate([ex for _, ex in chunk] or [self._idle_example()], cfg.max_len, model.config,
+                            self.tokenizer.special.image)
+            if self.sharded:  # another rank encodes images in this micro-batch: so does this one (trainer)
+                anyone = all_reduce(torch.tensor([int(bool(batch["images"]))]))
+                if int(anyone) and not batch["images"]:
+                    batch["idle_image"] = self._idle_image()
             options = stage_options(cfg.stage)  # "sparse": the indexers' inputs too; "sft": the defaults
             logp, mask = self._token_logprobs(model, batch, rl.temperature, options)
-            pg = -(weight[owners] * logp.sum(-1)).sum()
+            if not chunk:
+                logp, mask = logp * 0.0, mask * 0.0
+            pg = -(weight[owners] * logp.sum(-1)).sum() if chunk else logp.sum()
             loss = pg
             if self.reference is not None:
                 with torch.no_grad():
@@ -322,18 +389,19 @@ class RLTrainer(Trainer):
                 kl = ((d.exp() - d - 1).clamp(max=KL_CLAMP) * mask).sum()
                 loss = loss + rl.kl_coef * kl / kl_tokens
                 kl_sum += kl.item()
-            if self.dsa and rl.indexer_loss:
+            if self.dsa and rl.indexer_loss:  # (one process only: refused under FSDP)
                 indexer, _ = indexer_losses(self.dsa, options.indexer_taps)
                 loss = loss + indexer / len(chunks)
                 indexer_total += indexer.item() / len(chunks)
             loss.backward()
             pg_total += pg.item()
         grad_norm = self.apply_update(None)
+        pg_total, kl_sum, indexer_total, n_seqs = self._sum_over_ranks(pg_total, kl_sum, indexer_total, len(seqs))
         kl_mean = kl_sum / kl_tokens
         entry = {"step": self.step_idx, "loss": pg_total + rl.kl_coef * kl_mean + indexer_total, "pg_loss": pg_total,
                  "kl": kl_mean, "indexer_kl": indexer_total, "lr": lr, "grad_norm": float(grad_norm),
-                 "sequences": len(seqs), "trained_rollouts": len(trained), "tokens": int(n_tokens.sum()),
-                 "guided_groups": sum(adv[i] > 0 for i, r in enumerate(runs) if "guide" in r),
+                 "sequences": int(n_seqs), "trained_rollouts": len(trained), "tokens": int(n_tokens.sum()),
+                 "guided_groups": sum(adv[k] > 0 for k, r in enumerate(every) if r["guide"]),
                  "rollout_seconds": t_rollout,
                  "seconds": time.perf_counter() - t0,
                  "domains": {name: {"reward": sum(r["reward"] for r in rs) / len(rs),
@@ -345,15 +413,24 @@ class RLTrainer(Trainer):
         self.log.append(entry)
         return entry
 
+    def _idle_example(self) -> Example:
+        """An FSDP rank's idle micro-batch: two tokens, one target, weighted 0."""
+        return Example([self.tokenizer.special.end_of_text] * 2, [False, True], [])
+
+    def _idle_image(self) -> torch.Tensor:
+        """A blank image of one image token, for a micro-batch where another rank encodes images."""
+        side = self.model.config.vision_patch_size * self.model.config.vision_merge
+        return torch.zeros(side, side, 3, dtype=torch.uint8)
+
     @staticmethod
     def _token_logprobs(model, batch, temperature: float = 1.0,
                         options: ForwardOptions | None = None) -> tuple[torch.Tensor, torch.Tensor]:
         """(log-probability of each next token [B, T], 0 where it was not generated; the mask) for a batch,
         under the sampling temperature: the policy the rollouts were drawn from, so the update is on-policy.
         options: the forward's (the training stage's: stage_options; None: the defaults)."""
-        embeds = torch.cat(model.encode_images(batch["images"])) if batch["images"] else None
-        logits = model(batch["ids"], lengths=batch["lengths"], image_embeds=embeds,
-                       image_mask=batch["image_mask"], options=options).float()
+        embeds, image_mask = image_inputs(model, batch)
+        logits = model(batch["ids"], lengths=batch["lengths"], image_embeds=embeds, image_mask=image_mask,
+                       options=options).float()
         if temperature != 1.0:
             logits = logits / temperature
         targets = batch["targets"]

@@ -140,6 +140,18 @@ def stage_options(stage: str) -> ForwardOptions:
                           indexer_inputs=stage in INDEXER_STAGES)
 
 
+def image_inputs(model, batch: dict[str, Any]) -> tuple[torch.Tensor | None, torch.Tensor]:
+    """(image embeddings, image mask) for a collated batch's forward. With `idle_image` (FSDP: another rank
+    encodes images in this forward and this one has none) it encodes that image and uses none of it (no
+    rows, no positions), so every rank runs the same collectives in the same order and this rank's vision
+    encoder gradient is zero (horizon.parallel.fsdp)."""
+    if batch["images"]:
+        return torch.cat(model.encode_images(batch["images"])), batch["image_mask"]
+    if batch.get("idle_image") is not None:
+        return model.encode_images([batch["idle_image"]])[0][:0], torch.zeros_like(batch["ids"], dtype=torch.bool)
+    return None, batch["image_mask"]
+
+
 def _no_decay(name: str, p: torch.Tensor) -> bool:
     """Norms, biases, embeddings' position tables and 1-D scalars are not decayed."""
     return p.dim() < 2 or "norm" in name or name.endswith(".bias")
@@ -190,15 +202,7 @@ class Trainer:
         model, stage = self.model, self.config.stage
         targets = batch["targets"]
         n = int(self._sum_over_ranks(int((targets != -100).sum()))[0])
-        embeds, image_mask = None, batch["image_mask"]
-        if batch["images"]:
-            embeds = torch.cat(model.encode_images(batch["images"]))
-        elif batch.get("idle_image") is not None:
-            # FSDP: another rank encodes images this step and this one has none. It encodes one of theirs and
-            # uses none of it (no rows, no positions), so every rank runs the same collectives in the same
-            # order and this rank's vision encoder gradient is zero (horizon.parallel.fsdp)
-            embeds = model.encode_images([batch["idle_image"]])[0][:0]
-            image_mask = torch.zeros_like(batch["ids"], dtype=torch.bool)
+        embeds, image_mask = image_inputs(model, batch)
         options = stage_options(stage)
         with torch.autocast("cpu", dtype=torch.bfloat16, enabled=self.config.bf16):
             logits = model(batch["ids"], lengths=batch["lengths"], image_embeds=embeds, image_mask=image_mask,
