@@ -11,10 +11,15 @@ Measures, in one process, through horizon.engine.runner.ModelRunner (eager, and 
   the longest prefill the cache is the real prefill's; past it (1M) the latent and indexer rows are
   written directly (random rows of the right scale: a decode step's cost does not depend on their
   values), since the real 1M prefill does not fit a benchmark run on 2 cores (see the prediction);
+- the same decode steps with the indexer's keys gathered into a new tensor and then scored (the PyTorch
+  reference, `*_gathered_ms`): the baseline, in the same run, for the kernel that scores them in place
+  from the paged pool (horizon/quant/kernels/indexer.cpp), which decode uses;
 - the cache's bytes at 1M: DSA rows per token times tokens, plus the constant KDA state.
 
     python bench/million.py                    # ~10 minutes on 2 cores
     python bench/million.py --quick            # smaller lengths (a smoke run)
+    python bench/million.py --preset small --prefill-lengths 1024 --decode-lengths 1024 65536
+                                               # another preset's shape (random fp32 weights): its 64K decode
 
 Prints progress on stderr and one JSON object on the last line of stdout.
 """
@@ -26,12 +31,15 @@ import json
 import resource
 import statistics
 import time
+from contextlib import contextmanager
 
 import torch
 
+import horizon.model.dsa as dsa
+from horizon import ModelConfig
 from horizon.checkpoint import open_model
 from horizon.engine.runner import ModelRunner, StepInputs
-from horizon.model import HorizonCache
+from horizon.model import HorizonCache, HorizonForCausalLM
 
 MILLION = 1 << 20
 
@@ -65,14 +73,42 @@ def fill_synthetic(cache: HorizonCache, length: int, gen: torch.Generator) -> No
     cache.lens[0] = length
 
 
-def decode_ms(runner: ModelRunner, length: int, steps: int) -> float:
+def step_times(runner: ModelRunner, length: int, steps: int) -> list[float]:
+    """Seconds of `steps` decode steps at a context of `length` tokens (the cache is put back after)."""
     times = []
     for i in range(steps):
         t0 = time.perf_counter()
         runner.run(StepInputs([[1000 + i]], [length + i], [0]))
         times.append(time.perf_counter() - t0)
     runner.cache.lens[0] = length
-    return 1000 * statistics.median(times[1:])
+    return times
+
+
+def paired_decode_ms(runner: ModelRunner, length: int, steps: int, rounds: int = 4) -> tuple[float, float]:
+    """(ms/token scoring the indexer keys in place, ms/token gathering them), interleaved in `rounds` rounds
+    (this machine's speed drifts between runs: interleaving keeps the two comparable); medians."""
+    step_times(runner, length, 2)  # warm (and, compiled, the first graph of each kind)
+    with gathered_indexer():
+        step_times(runner, length, 2)
+    kernel, gathered = [], []
+    for _ in range(rounds):
+        kernel += step_times(runner, length, max(2, steps // rounds))
+        with gathered_indexer():
+            gathered += step_times(runner, length, max(2, steps // rounds))
+    return 1000 * statistics.median(kernel), 1000 * statistics.median(gathered)
+
+
+@contextmanager
+def gathered_indexer():
+    """Decode steps score the indexer's keys through the reference path (gather, then matmul) instead of the
+    in-place kernel: the same-run baseline. The switch is the one the op itself consults at run time, so it
+    holds for compiled graphs too."""
+    saved = dsa._kernel_takes
+    dsa._kernel_takes = lambda pool: False
+    try:
+        yield
+    finally:
+        dsa._kernel_takes = saved
 
 
 def main() -> None:
@@ -84,18 +120,27 @@ def main() -> None:
     ap.add_argument("--steps", type=int, default=12)
     ap.add_argument("--no-compile", action="store_true", help="decode eagerly only")
     ap.add_argument("--quick", action="store_true")
+    ap.add_argument("--preset", default=None, help="a preset's shape with random fp32 weights (default: the bundled "
+                                                   "model)")
     args = ap.parse_args()
     torch.set_num_threads(args.threads)
+    # the compiled runner's graphs come in two kinds here (the kernel's and the gathered baseline's), each
+    # context first static then dynamic: more than dynamo's default of 8 recompiles of one function
+    torch._dynamo.config.recompile_limit = 64
     prefill_lengths = args.prefill_lengths or ([1024, 4096] if args.quick else [1024, 8192, 32768])
     # the last: as close to 1M as leaves room for the decoded tokens inside the 1,048,576-token window
     decode_lengths = args.decode_lengths or ([1024, 4096, 65536] if args.quick else [1024, 32768, MILLION - 64])
-    bundle = open_model(None)
-    model = bundle.model
+    if args.preset:
+        torch.manual_seed(0)
+        model, source = HorizonForCausalLM(ModelConfig.preset(args.preset).replace(dtype="float32")).eval(), args.preset
+    else:
+        bundle = open_model(None)
+        model, source = bundle.model, bundle.source
     model.config.max_position_embeddings = MILLION  # no positional limit in the attention: only the window
     cfg = model.config
     max_len = min(MILLION, max(decode_lengths) + args.steps + 1)
     cache = HorizonCache(cfg, 1, max_len, dtype=model.embed.weight.dtype)
-    res = {"bench": "million", "model": bundle.source, "layers": cfg.layer_types, "index_topk": cfg.index_topk,
+    res = {"bench": "million", "model": source, "layers": cfg.layer_types, "index_topk": cfg.index_topk,
            "threads": args.threads, "chunk": args.chunk, "cache_max_len": max_len,
            "dsa_bytes_per_token": cache.bytes_per_token(), "kda_state_bytes": cache.state_bytes_per_slot(),
            "rss_mb_after_cache": round(rss_mb(), 1)}
@@ -126,20 +171,23 @@ def main() -> None:
             fill_synthetic(cache, L, gen)
         else:
             prefill(eager, tokens[:L], args.chunk)
-        row = {"context": L, "cache": "synthetic" if L > longest else "prefilled",
-               "eager_ms": round(decode_ms(eager, L, args.steps), 2)}
-        if compiled is not None:
-            decode_ms(compiled, L, 2)  # compiles once (the context is a dynamic size)
-            row["compiled_ms"] = round(decode_ms(compiled, L, args.steps), 2)
+        row = {"context": L, "cache": "synthetic" if L > longest else "prefilled"}
+        for name, runner in (("eager", eager), ("compiled", compiled)):
+            if runner is not None:  # compiled: one graph per kind (the context is a dynamic size)
+                ms, gathered = paired_decode_ms(runner, L, args.steps)
+                row[f"{name}_ms"], row[f"{name}_gathered_ms"] = round(ms, 2), round(gathered, 2)
         row["peak_rss_mb"] = round(rss_mb(), 1)
         decode.append(row)
         log(f"decode at {L}: {row}")
     res["decode"] = decode
     base = decode[0]
     for row in decode:
-        for k in ("eager_ms", "compiled_ms"):
+        for k in ("eager_ms", "compiled_ms", "eager_gathered_ms", "compiled_gathered_ms"):
             if k in row:
                 row[k.replace("_ms", "_vs_first")] = round(row[k] / base[k], 2)
+        for k in ("eager", "compiled"):
+            if f"{k}_ms" in row:  # > 1: scoring in place is faster than gathering
+                row[f"{k}_kernel_speedup"] = round(row[f"{k}_gathered_ms"] / row[f"{k}_ms"], 2)
     if compiled is not None:
         res["compile_seconds"] = round(compiled.compile_seconds, 1)
     print(json.dumps(res))

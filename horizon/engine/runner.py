@@ -69,6 +69,12 @@ class ModelRunner:
         self._graph = None
         self.compile_seconds = 0.0  # time spent in steps that compiled a new graph
         self.graphs_seen: set[tuple[int, bool]] = set()  # (bucket, sparse) pairs compiled so far
+        if compile and self.device.type == "cpu":
+            # build the CPU kernels now (or learn that they cannot be built): the graphs read that, and a
+            # kernel built after the first graph would change what the graph should call, a recompile
+            from horizon.quant.kernels import kernel_available
+
+            kernel_available()
 
     # --- the step -------------------------------------------------------------------------------
     @torch.inference_mode()

@@ -36,7 +36,7 @@ from torch import nn
 
 from horizon.config import ModelConfig
 from horizon.model.batch import Batch
-from horizon.model.cache import StepContext
+from horizon.model.cache import LatentCache, StepContext, gather_rows
 from horizon.model.layers import RMSNorm, apply_rope, rope_softmax_factor
 from horizon.model.options import ForwardOptions, IndexerTap
 
@@ -96,6 +96,88 @@ def masked_softmax(scores: torch.Tensor, visible: torch.Tensor) -> torch.Tensor:
     return torch.where(visible.any(-1, keepdim=True), probs, torch.zeros_like(probs))
 
 
+def indexer_scores(q: torch.Tensor, w: torch.Tensor, keys: torch.Tensor) -> torch.Tensor:
+    """I [B, t, L] (fp32) for queries q [B, t, H_I, d_I], weights w [B, t, H_I], keys [B, L, d_I]:
+    sum_h w_h d_I^-1/2 relu(q_h . k).
+
+    The q.k products run in the keys' dtype (bf16 in a bf16 model, as DeepSeek runs its indexer in FP8);
+    the ReLU and the weighted sum over heads in fp32.
+    """
+    B, t, H, d = q.shape
+    q = q.to(keys.dtype).reshape(B, t * H, d)
+    if t * H <= SMALL_QUERY_ROWS:
+        # few queries (decode): [B, L, d] @ [B, d, t*H] reads the keys in their stored layout; the
+        # other order would first copy the transposed keys (14x slower at 32K on a CPU, measured)
+        s = torch.matmul(keys, q.transpose(1, 2)).transpose(1, 2).float().relu_().reshape(B * t, H, -1)
+    else:
+        # [B, t*H, d] @ [B, d, L] lands directly in [B, t, H, L] order (an einsum would permute-copy it)
+        s = torch.matmul(q, keys.transpose(1, 2)).view(B * t, H, -1).float().relu_()
+    w = (w.float() * d**-0.5).reshape(B * t, 1, H)
+    return torch.bmm(w, s).view(B, t, -1)  # sum over heads: [B*t, 1, H] @ [B*t, H, L]
+
+
+def paged_index_scores_reference(pool: torch.Tensor, table: torch.Tensor, q: torch.Tensor, w: torch.Tensor,
+                                 L: int, block_size: int) -> torch.Tensor:
+    """One query per sequence against its first L cached keys: [B, L] = indexer_scores over the rows the
+    block table [B, nb] maps positions to (pool [R, d_I]; q [B, H_I, d_I]; w [B, H_I]). Positions in
+    unassigned blocks (-1: past a sequence's end, masked by every caller) score 0. It gathers every key
+    row of the context first: the reference the in-place kernel is tested against."""
+    pos = torch.arange(L, device=pool.device)
+    block = table[:, pos // block_size]
+    keys = gather_rows(pool, torch.where(block >= 0, block * block_size + pos % block_size, 0))
+    return indexer_scores(q[:, None], w[:, None], keys)[:, 0].masked_fill(block < 0, 0.0)
+
+
+def _kernel_takes(pool: torch.Tensor) -> bool:
+    """Whether the compiled kernel scores this pool (fp32 on the CPU, the kernel built). Traced into compiled
+    graphs: there it reads whether the kernel is built (a guarded global: the model runner builds it before
+    compiling) and never builds it; not yet tried, the op decides when it runs."""
+    from horizon.quant import kernels  # here: horizon.quant's modules import this one
+
+    if pool.device.type != "cpu" or pool.dtype != torch.float32:
+        return False
+    if torch.compiler.is_compiling():
+        return kernels._built is not False
+    return kernels.kernel_available()
+
+
+@torch.library.custom_op("horizon::paged_index_scores", mutates_args=())
+def paged_index_scores(pool: torch.Tensor, table: torch.Tensor, q: torch.Tensor, w: torch.Tensor, L: int,
+                       block_size: int, force_portable: bool = False) -> torch.Tensor:
+    """paged_index_scores_reference's result, read in place from the pool: an fp32 pool on the CPU takes
+    the compiled kernel (horizon/quant/kernels/indexer.cpp: each key row read once, where it lies, instead
+    of gathered into a new tensor and read again); anything else, the reference."""
+    if _kernel_takes(pool):
+        scaled = w.float() * q.shape[-1] ** -0.5  # indexer_scores' d_I^-1/2, on the weights
+        return torch.ops.horizon_kernels.index_scores_paged(pool, table, q.float().contiguous(), scaled, L,
+                                                            block_size, force_portable)
+    return paged_index_scores_reference(pool, table, q, w, L, block_size)
+
+
+@paged_index_scores.register_fake
+def _(pool, table, q, w, L, block_size, force_portable=False):
+    return pool.new_empty((q.shape[0], L), dtype=torch.float32)
+
+
+def decode_index_scores(cache: LatentCache, batch: Batch, q: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
+    """[B, 1, L]: a decode step's indexer scores (q [B, 1, H_I, d_I], w [B, 1, H_I]) over the paged cache,
+    L = the batch's longest context. Where the kernel takes the pool, the C++ op straight through the
+    dispatcher, eagerly and in compiled graphs (the custom op's Python wrapping costs more than a short
+    context's scoring). Elsewhere the reference, traced into the graph when compiling."""
+    from horizon.quant import kernels
+
+    table, L = cache.block_table[batch.slots], batch.max_ctx
+    if not _kernel_takes(cache.index):
+        out = paged_index_scores_reference(cache.index, table, q[:, 0], w[:, 0], L, cache.block_size)
+    elif torch.compiler.is_compiling() and kernels._built is not True:  # not built yet: the op decides
+        out = paged_index_scores(cache.index, table, q[:, 0], w[:, 0], L, cache.block_size)
+    else:  # the C++ op itself (its fake is registered with the build): no Python between graph and kernel
+        out = torch.ops.horizon_kernels.index_scores_paged(cache.index, table, q[:, 0].float().contiguous(),
+                                                           w[:, 0].float() * q.shape[-1] ** -0.5, L,
+                                                           cache.block_size, False)
+    return out[:, None]
+
+
 class LightningIndexer(nn.Module):
     def __init__(self, cfg: ModelConfig):
         super().__init__()
@@ -125,36 +207,27 @@ class LightningIndexer(nn.Module):
         return q, w
 
     def scores(self, q: torch.Tensor, w: torch.Tensor, keys: torch.Tensor) -> torch.Tensor:
-        """I [B, t, L] (fp32) for queries q [B, t, H_I, d_I], weights w [B, t, H_I], keys [B, L, d_I].
+        """I [B, t, L] (fp32) for queries q [B, t, H_I, d_I], weights w [B, t, H_I], keys [B, L, d_I]
+        (indexer_scores)."""
+        return indexer_scores(q, w, keys)
 
-        The q.k products run in the keys' dtype (bf16 in a bf16 model, as DeepSeek runs its
-        indexer in FP8); the ReLU and the weighted sum over heads in fp32.
-        """
-        B, t, H, d = q.shape
-        q = q.to(keys.dtype).reshape(B, t * H, d)
-        if t * H <= SMALL_QUERY_ROWS:
-            # few queries (decode): [B, L, d] @ [B, d, t*H] reads the keys in their stored layout; the
-            # other order would first copy the transposed keys (14x slower at 32K on a CPU, measured)
-            s = torch.matmul(keys, q.transpose(1, 2)).transpose(1, 2).float().relu_().reshape(B * t, H, -1)
-        else:
-            # [B, t*H, d] @ [B, d, L] lands directly in [B, t, H, L] order (an einsum would permute-copy it)
-            s = torch.matmul(q, keys.transpose(1, 2)).view(B * t, H, -1).float().relu_()
-        w = (w.float() * self.head_dim**-0.5).reshape(B * t, 1, H)
-        return torch.bmm(w, s).view(B, t, -1)  # sum over heads: [B*t, 1, H] @ [B*t, H, L]
-
-    def select(self, q, w, keys, q_pos, ctx_len, k: int, selection: str = "indexer") -> torch.Tensor:
+    def select(self, q, w, keys, q_pos, ctx_len, k: int, selection: str = "indexer",
+               scores: torch.Tensor | None = None) -> torch.Tensor:
         """Top-k visible positions [B, t, k] for queries q [B, t, H_I, d_I] at positions q_pos [B, t].
 
         Position s is visible to a query at p when s <= p and s < ctx_len[b]; invisible positions
         score -inf, so they are chosen only when fewer than k positions are visible. selection
         "recent" ignores the scores and keeps the k most recent visible positions (the ablation
         baseline that shows what the learned selection is worth: `horizon eval --selection recent`).
+        scores: [B, t, L] already computed (a decode step over the paged cache: decode_index_scores),
+        in place of scoring `keys` (then None).
         """
-        s_pos = torch.arange(keys.shape[1], device=keys.device)
+        L = keys.shape[1] if scores is None else scores.shape[-1]
+        s_pos = torch.arange(L, device=q_pos.device)
         visible = (s_pos <= q_pos[..., None]) & (s_pos < ctx_len[:, None, None])
         if selection == "recent":  # score = position: the top-k are the most recent visible ones
             return topk_recent_first(s_pos.float().expand_as(visible).masked_fill(~visible, -math.inf), k)
-        sc = self.scores(q, w, keys)  # [B, t, L]
+        sc = self.scores(q, w, keys) if scores is None else scores  # [B, t, L]
         return topk_recent_first(sc.masked_fill(~visible, -math.inf), k)
 
 
@@ -285,8 +358,12 @@ class GatedDSA(nn.Module):
         k = self.indexer.topk
         qi, wi = self.indexer.queries(x, c_q, batch.positions)
         qi, wi = batch.pad(qi), batch.pad(wi)
-        keys = ctx.index_keys(batch)  # [B, L, d_I]
-        B, T, L = q_pos.shape[0], q_pos.shape[1], keys.shape[1]
+        B, T = q_pos.shape[0], q_pos.shape[1]
+        # a decode step over the paged cache scores the keys where they lie (no [B, L, d_I] copy)
+        paged = T == 1 and isinstance(ctx, LatentCache) and options.selection == "indexer"
+        scores = decode_index_scores(ctx, batch, qi, wi) if paged else None
+        keys = None if paged else ctx.index_keys(batch)  # [B, L, d_I]
+        L = scores.shape[-1] if paged else keys.shape[1]
         width = self.kv_rank + self.rope
         if form == "expanded":  # gathers expanded keys and values: H * (nope + rope + v) per row
             width = self.num_heads * (self.nope + self.rope + self.v_dim)
@@ -297,8 +374,8 @@ class GatedDSA(nn.Module):
         outs, picks, covered = [], [], 0.0
         for t0 in range(0, T, tile):
             sl = slice(t0, t0 + tile)
-            idx = self.indexer.select(qi[:, sl], wi[:, sl], keys, q_pos[:, sl], ctx_len, k,
-                                      options.selection)  # [B, t, k]
+            idx = self.indexer.select(qi[:, sl], wi[:, sl], keys, q_pos[:, sl], ctx_len, k, options.selection,
+                                      scores)  # [B, t, k]
             visible = (idx <= q_pos[:, sl, None]) & (idx < ctx_len[:, None, None])
             if form == "expanded":
                 outs.append(self._expanded_sparse(q_nope[:, sl], q_pe[:, sl], rows, idx, visible))

@@ -1,4 +1,6 @@
-"""The fused MXFP4 x activation CPU kernel (`mxfp4.cpp`), JIT-built on first use, and its torch op.
+"""Horizon's CPU kernels, JIT-built on first use into one extension: the fused MXFP4 x activation matmul
+(`mxfp4.cpp`, its torch op here) and the lightning indexer's paged decode scores (`indexer.cpp`, its op
+beside its reference in horizon.model.dsa).
 
     out = mxfp4_expert_matmul(x, blocks, scales, expert)   # torch.ops.horizon.mxfp4_expert_matmul
     # x float [M, K]; blocks uint8 [E, N, nb, 16]; scales uint8 [E, N, nb]; expert int64 [M] in [0, E)
@@ -34,12 +36,16 @@ from horizon.quant.mxfp4 import BLOCK, check_packed, dequantize
 log = logging.getLogger(__name__)
 
 SOURCE = Path(__file__).with_name("mxfp4.cpp")
+SOURCES = (SOURCE, Path(__file__).with_name("indexer.cpp"))  # one extension; indexer.cpp: horizon.model.dsa's
 _lock = threading.Lock()
 _built: bool | None = None  # None: not tried yet in this process
 
 
 def _source_hash() -> str:
-    return hashlib.sha256(SOURCE.read_bytes()).hexdigest()[:16]
+    h = hashlib.sha256()
+    for source in SOURCES:
+        h.update(source.read_bytes())
+    return h.hexdigest()[:16]
 
 
 def cache_dir() -> Path:
@@ -73,9 +79,18 @@ def _build() -> None:
         # ATen's parallel_for is OpenMP pragmas in a header: without -fopenmp it would run on one thread
         cflags.append("-fopenmp")
         ldflags.append("-fopenmp")
-    cpp_extension.load(name=f"horizon_mxfp4_{_source_hash()}", sources=[str(SOURCE)], extra_cflags=cflags,
+    cpp_extension.load(name=f"horizon_kernels_{_source_hash()}", sources=[str(s) for s in SOURCES], extra_cflags=cflags,
                        extra_ldflags=ldflags, build_directory=str(directory), is_python_module=False,
                        verbose=False)
+
+
+def _register_fakes() -> None:
+    """Shapes for torch.compile of the C++ ops a graph calls directly (no Python wrapper between the graph
+    and the kernel: the indexer's scores, once per DSA layer per decode step)."""
+
+    @torch.library.register_fake("horizon_kernels::index_scores_paged")
+    def _(pool, table, q, w, L, block_size, force_portable=False):
+        return pool.new_empty((q.shape[0], L), dtype=torch.float32)
 
 
 def kernel_available() -> bool:
@@ -91,11 +106,13 @@ def kernel_available() -> bool:
                 else:
                     try:
                         _build()
+                        _register_fakes()
                         _built = True
                     except Exception as exc:  # any build or load failure: the reference still works
                         why = (str(exc).strip().splitlines() or [""])[-1]
-                        log.warning("MXFP4 kernel unavailable (building %s failed: %s: %s); MXFP4 layers use "
-                                    "the PyTorch reference (dequantise, then matmul)", SOURCE.name,
+                        log.warning("CPU kernels unavailable (building %s failed: %s: %s); MXFP4 layers use "
+                                    "the PyTorch reference (dequantise, then matmul), and the DSA indexer "
+                                    "gathers its keys before scoring them", " and ".join(s.name for s in SOURCES),
                                     type(exc).__name__, why)
                         _built = False
     return _built

@@ -1,0 +1,153 @@
+// The lightning indexer's decode scores read in place from the paged cache (horizon.model.dsa).
+//
+//   out[b, p] = sum_h w[b, h] * relu(K[row(b, p)] . q[b, h])      for p < L
+//   row(b, p) = table[b, p / block_size] * block_size + p % block_size
+//
+// pool: the layer's indexer keys, fp32 [R, d] (the paged pool: R = blocks x block_size rows); table: int64
+// [B, nb], each sequence's block ids (-1: unassigned, scored 0: only positions past a sequence's end are
+// unassigned, and the caller masks those); q: fp32 [B, H, d]; w: fp32 [B, H] (scales already applied).
+//
+// Why a kernel: the PyTorch reference gathers every key row of the context into a new [B, L, d] tensor and
+// then runs a skinny matmul over it, reading the keys' bytes three times (gather read, gather write, matmul
+// read) at a fraction of the memory bandwidth; at long contexts that is most of a decode step (64K tokens:
+// 16 MB of keys per DSA layer at `small`). Here each block of 64 rows is read once, where it lies.
+//
+// Layout of the work: parallel over (sequence, block) pairs (at::parallel_for); per row, the heads sit in
+// the vector lanes (q transposed to [d, H]) and each key element is broadcast once, so there is no
+// horizontal sum per head; four independent accumulators break the FMA dependency chain.
+
+#include <torch/library.h>
+#include <ATen/ATen.h>
+#include <ATen/Parallel.h>
+
+#include <algorithm>
+#include <vector>
+
+#if defined(__x86_64__) || defined(_M_X64)
+#include <immintrin.h>
+#define HZ_X86 1
+#endif
+
+namespace {
+
+// One row's score: heads in lanes, any H (the portable path, and the reference for the vector one).
+inline float row_score_portable(const float* key, const float* qt, const float* w, int64_t d, int64_t H,
+                                float* acc) {
+  std::fill(acc, acc + H, 0.0f);
+  for (int64_t j = 0; j < d; ++j) {
+    const float kj = key[j];
+    const float* qj = qt + j * H;
+    for (int64_t h = 0; h < H; ++h) acc[h] += kj * qj[h];
+  }
+  float s = 0.0f;
+  for (int64_t h = 0; h < H; ++h) s += w[h] * std::max(acc[h], 0.0f);
+  return s;
+}
+
+void rows_portable(const float* keys, int64_t n, const float* qt, const float* w, int64_t d, int64_t H,
+                   float* out) {
+  std::vector<float> acc(H);
+  for (int64_t r = 0; r < n; ++r) out[r] = row_score_portable(keys + r * d, qt, w, d, H, acc.data());
+}
+
+#ifdef HZ_X86
+#define HZ_AVX512 __attribute__((target("avx512f")))
+
+bool cpu_has_avx512f() {
+  static const bool has = __builtin_cpu_supports("avx512f");
+  return has;
+}
+
+// Heads in chunks of 16 lanes (the last one masked); per chunk, 4 accumulators over j mod 4.
+HZ_AVX512 void rows_avx512(const float* keys, int64_t n, const float* qt, const float* w, int64_t d,
+                           int64_t H, float* out) {
+  for (int64_t r = 0; r < n; ++r) {
+    const float* key = keys + r * d;
+    __m512 total = _mm512_setzero_ps();
+    for (int64_t h0 = 0; h0 < H; h0 += 16) {
+      const int64_t lanes = std::min<int64_t>(16, H - h0);
+      const __mmask16 m = static_cast<__mmask16>((1u << lanes) - 1u);
+      __m512 a0 = _mm512_setzero_ps(), a1 = _mm512_setzero_ps(), a2 = _mm512_setzero_ps(),
+             a3 = _mm512_setzero_ps();
+      int64_t j = 0;
+      for (; j + 4 <= d; j += 4) {
+        a0 = _mm512_fmadd_ps(_mm512_set1_ps(key[j]), _mm512_maskz_loadu_ps(m, qt + j * H + h0), a0);
+        a1 = _mm512_fmadd_ps(_mm512_set1_ps(key[j + 1]), _mm512_maskz_loadu_ps(m, qt + (j + 1) * H + h0), a1);
+        a2 = _mm512_fmadd_ps(_mm512_set1_ps(key[j + 2]), _mm512_maskz_loadu_ps(m, qt + (j + 2) * H + h0), a2);
+        a3 = _mm512_fmadd_ps(_mm512_set1_ps(key[j + 3]), _mm512_maskz_loadu_ps(m, qt + (j + 3) * H + h0), a3);
+      }
+      for (; j < d; ++j)
+        a0 = _mm512_fmadd_ps(_mm512_set1_ps(key[j]), _mm512_maskz_loadu_ps(m, qt + j * H + h0), a0);
+      const __m512 acc = _mm512_add_ps(_mm512_add_ps(a0, a1), _mm512_add_ps(a2, a3));
+      const __m512 relu = _mm512_max_ps(acc, _mm512_setzero_ps());
+      total = _mm512_fmadd_ps(relu, _mm512_maskz_loadu_ps(m, w + h0), total);
+    }
+    out[r] = _mm512_reduce_add_ps(total);
+  }
+}
+#else
+bool cpu_has_avx512f() { return false; }
+void rows_avx512(const float* keys, int64_t n, const float* qt, const float* w, int64_t d, int64_t H,
+                 float* out) {
+  rows_portable(keys, n, qt, w, d, H, out);
+}
+#endif
+
+at::Tensor index_scores_paged(const at::Tensor& pool, const at::Tensor& table, const at::Tensor& q,
+                              const at::Tensor& w, int64_t L, int64_t block_size, bool force_portable) {
+  TORCH_CHECK(pool.dim() == 2 && pool.scalar_type() == at::kFloat && pool.is_contiguous(),
+              "index_scores_paged: pool must be contiguous fp32 [R, d]");
+  TORCH_CHECK(table.dim() == 2 && table.scalar_type() == at::kLong, "index_scores_paged: table must be int64 [B, nb]");
+  TORCH_CHECK(q.dim() == 3 && q.scalar_type() == at::kFloat && q.size(0) == table.size(0) && q.size(2) == pool.size(1),
+              "index_scores_paged: q must be fp32 [B, H, d] with the table's B and the pool's d");
+  TORCH_CHECK(w.dim() == 2 && w.scalar_type() == at::kFloat && w.size(0) == q.size(0) && w.size(1) == q.size(1),
+              "index_scores_paged: w must be fp32 [B, H]");
+  TORCH_CHECK(block_size >= 1 && L >= 0 && L <= table.size(1) * block_size,
+              "index_scores_paged: L must be within the table's blocks");
+  const int64_t B = q.size(0), H = q.size(1), d = q.size(2), R = pool.size(0);
+  const int64_t nblk = (L + block_size - 1) / block_size;
+  auto out = at::empty({B, L}, pool.options());
+  if (B == 0 || L == 0) return out;
+  const at::Tensor qt = q.transpose(1, 2).contiguous();  // [B, d, H]: heads in the lanes
+  const at::Tensor wc = w.contiguous();
+  const at::Tensor tc = table.contiguous();
+  const float* P = pool.data_ptr<float>();
+  const float* Q = qt.data_ptr<float>();
+  const float* W = wc.data_ptr<float>();
+  const int64_t* T = tc.data_ptr<int64_t>();
+  float* O = out.data_ptr<float>();
+  const int64_t nb_table = tc.size(1);
+  const bool avx512 = !force_portable && cpu_has_avx512f();
+  // a grain of ~2K rows: a short context's few blocks stay on one thread (waking a second costs more)
+  const int64_t grain = std::max<int64_t>(1, 2048 / block_size);
+  at::parallel_for(0, B * nblk, grain, [&](int64_t i0, int64_t i1) {
+    for (int64_t i = i0; i < i1; ++i) {
+      const int64_t b = i / nblk, blk = i % nblk, p0 = blk * block_size;
+      const int64_t n = std::min(block_size, L - p0);
+      const int64_t id = T[b * nb_table + blk];
+      float* o = O + b * L + p0;
+      if (id < 0 || (id + 1) * block_size > R) {  // unassigned (past the sequence's end): masked by the caller
+        std::fill(o, o + n, 0.0f);
+        continue;
+      }
+      const float* keys = P + id * block_size * d;
+      if (avx512)
+        rows_avx512(keys, n, Q + b * d * H, W + b * H, d, H, o);
+      else
+        rows_portable(keys, n, Q + b * d * H, W + b * H, d, H, o);
+    }
+  });
+  return out;
+}
+
+}  // namespace
+
+// A CPU kernel (not a catch-all): torch.compile then takes the fake (shape) function registered from Python
+// with the build, and a compiled graph calls this op directly. L is a SymInt: in a graph it is the
+// context length, a dynamic size (an `int` would specialise the graph to one length).
+TORCH_LIBRARY_FRAGMENT(horizon_kernels, m) {
+  m.def("index_scores_paged(Tensor pool, Tensor table, Tensor q, Tensor w, SymInt L, int block_size, "
+        "bool force_portable=False) -> Tensor");
+}
+
+TORCH_LIBRARY_IMPL(horizon_kernels, CPU, m) { m.impl("index_scores_paged", &index_scores_paged); }
