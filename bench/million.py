@@ -124,9 +124,6 @@ def main() -> None:
                                                    "model)")
     args = ap.parse_args()
     torch.set_num_threads(args.threads)
-    # the compiled runner's graphs come in two kinds here (the kernel's and the gathered baseline's), each
-    # context first static then dynamic: more than dynamo's default of 8 recompiles of one function
-    torch._dynamo.config.recompile_limit = 64
     prefill_lengths = args.prefill_lengths or ([1024, 4096] if args.quick else [1024, 8192, 32768])
     # the last: as close to 1M as leaves room for the decoded tokens inside the 1,048,576-token window
     decode_lengths = args.decode_lengths or ([1024, 4096, 65536] if args.quick else [1024, 32768, MILLION - 64])
