@@ -1,8 +1,8 @@
-"""The lightning indexer's paged decode scores (horizon/quant/kernels/indexer.cpp, op horizon::paged_index_scores):
+"""The lightning indexer's paged decode scores (horizon/quant/kernels/indexer.cpp, dsa.paged_index_scores):
 the kernel computes what gathering the keys and scoring them computes, on both of its code paths (AVX-512 and
 portable), for block tables with unassigned blocks, head counts below, at and past one vector of 16 lanes, and
 odd widths; a decode step through the cache scores with it and selects what the reference selects;
-torch.compile sees one opaque op with a dynamic context length; without the kernel the reference runs."""
+torch.compile traces it with a dynamic context length; without the kernel the reference runs."""
 
 import os
 

@@ -130,23 +130,24 @@ def paged_index_scores_reference(pool: torch.Tensor, table: torch.Tensor, q: tor
 
 def _kernel_takes(pool: torch.Tensor) -> bool:
     """Whether the compiled kernel scores this pool (fp32 on the CPU, the kernel built). Traced into compiled
-    graphs: there it reads whether the kernel is built (a guarded global: the model runner builds it before
-    compiling) and never builds it; not yet tried, the op decides when it runs."""
+    graphs, where it only reads whether the kernel is built (a guarded global; the model runner builds it
+    before compiling) and never builds it."""
     from horizon.quant import kernels  # here: horizon.quant's modules import this one
 
     if pool.device.type != "cpu" or pool.dtype != torch.float32:
         return False
     if torch.compiler.is_compiling():
-        return kernels._built is not False
+        return kernels._built is True
     return kernels.kernel_available()
 
 
-@torch.library.custom_op("horizon::paged_index_scores", mutates_args=())
 def paged_index_scores(pool: torch.Tensor, table: torch.Tensor, q: torch.Tensor, w: torch.Tensor, L: int,
                        block_size: int, force_portable: bool = False) -> torch.Tensor:
     """paged_index_scores_reference's result, read in place from the pool: an fp32 pool on the CPU takes
     the compiled kernel (horizon/quant/kernels/indexer.cpp: each key row read once, where it lies, instead
-    of gathered into a new tensor and read again); anything else, the reference."""
+    of gathered into a new tensor and read again), called straight through the dispatcher, eagerly and in
+    compiled graphs (its fake is registered with the build); anything else, the reference (traced into
+    the graph when compiling). force_portable skips the kernel's AVX-512 path."""
     if _kernel_takes(pool):
         scaled = w.float() * q.shape[-1] ** -0.5  # indexer_scores' d_I^-1/2, on the weights
         return torch.ops.horizon_kernels.index_scores_paged(pool, table, q.float().contiguous(), scaled, L,
@@ -154,28 +155,11 @@ def paged_index_scores(pool: torch.Tensor, table: torch.Tensor, q: torch.Tensor,
     return paged_index_scores_reference(pool, table, q, w, L, block_size)
 
 
-@paged_index_scores.register_fake
-def _(pool, table, q, w, L, block_size, force_portable=False):
-    return pool.new_empty((q.shape[0], L), dtype=torch.float32)
-
-
 def decode_index_scores(cache: LatentCache, batch: Batch, q: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
     """[B, 1, L]: a decode step's indexer scores (q [B, 1, H_I, d_I], w [B, 1, H_I]) over the paged cache,
-    L = the batch's longest context. Where the kernel takes the pool, the C++ op straight through the
-    dispatcher, eagerly and in compiled graphs (the custom op's Python wrapping costs more than a short
-    context's scoring). Elsewhere the reference, traced into the graph when compiling."""
-    from horizon.quant import kernels
-
-    table, L = cache.block_table[batch.slots], batch.max_ctx
-    if not _kernel_takes(cache.index):
-        out = paged_index_scores_reference(cache.index, table, q[:, 0], w[:, 0], L, cache.block_size)
-    elif torch.compiler.is_compiling() and kernels._built is not True:  # not built yet: the op decides
-        out = paged_index_scores(cache.index, table, q[:, 0], w[:, 0], L, cache.block_size)
-    else:  # the C++ op itself (its fake is registered with the build): no Python between graph and kernel
-        out = torch.ops.horizon_kernels.index_scores_paged(cache.index, table, q[:, 0].float().contiguous(),
-                                                           w[:, 0].float() * q.shape[-1] ** -0.5, L,
-                                                           cache.block_size, False)
-    return out[:, None]
+    L = the batch's longest context (paged_index_scores)."""
+    return paged_index_scores(cache.index, cache.block_table[batch.slots], q[:, 0], w[:, 0], batch.max_ctx,
+                              cache.block_size)[:, None]
 
 
 class LightningIndexer(nn.Module):
@@ -359,11 +343,13 @@ class GatedDSA(nn.Module):
         qi, wi = self.indexer.queries(x, c_q, batch.positions)
         qi, wi = batch.pad(qi), batch.pad(wi)
         B, T = q_pos.shape[0], q_pos.shape[1]
-        # a decode step over the paged cache scores the keys where they lie (no [B, L, d_I] copy)
-        paged = T == 1 and isinstance(ctx, LatentCache) and options.selection == "indexer"
-        scores = decode_index_scores(ctx, batch, qi, wi) if paged else None
-        keys = None if paged else ctx.index_keys(batch)  # [B, L, d_I]
-        L = scores.shape[-1] if paged else keys.shape[1]
+        if T == 1 and isinstance(ctx, LatentCache) and options.selection == "indexer":
+            # a decode step over the paged cache scores the keys where they lie (no [B, L, d_I] copy)
+            keys, scores = None, decode_index_scores(ctx, batch, qi, wi)
+            L = scores.shape[-1]
+        else:
+            keys, scores = ctx.index_keys(batch), None  # [B, L, d_I]
+            L = keys.shape[1]
         width = self.kv_rank + self.rope
         if form == "expanded":  # gathers expanded keys and values: H * (nope + rope + v) per row
             width = self.num_heads * (self.nope + self.rope + self.v_dim)

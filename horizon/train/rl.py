@@ -325,13 +325,15 @@ class RLTrainer(Trainer):
         # this rank's sequences: the tokens of each rollout it ran (its guides: the reference)
         seqs = [(r["index"], ex) for r in runs
                 for ex in ([r["guide"]] if "guide" in r else rollout_examples(r["episode"].turns, r["images"]))]
-        tokens: dict[int, int] = {}
+        tokens: dict[int, int] = {}  # rollout index -> its trained tokens
+        sequences: dict[int, int] = {}  # rollout index -> its sequences
         for i, ex in seqs:
             tokens[i] = tokens.get(i, 0) + sum(ex.mask[1:])
+            sequences[i] = sequences.get(i, 0) + 1
         every = self._everyones([{"index": r["index"], "domain": r["task"].domain, "group": r["group"],
                                   "reward": r["reward"], "cost": r["cost"], "thinking": r["thinking"],
                                   "guide": "guide" in r, "tokens": tokens.get(r["index"], 0),
-                                  "sequences": sum(i == r["index"] for i, _ in seqs)} for r in runs])
+                                  "sequences": sequences.get(r["index"], 0)} for r in runs])
         by_domain: dict[str, list[dict]] = {}  # the policy's own rollouts: what the statistics describe
         for r in every:
             if not r["guide"]:
@@ -376,9 +378,9 @@ class RLTrainer(Trainer):
                     batch["idle_image"] = self._idle_image()
             options = stage_options(cfg.stage)  # "sparse": the indexers' inputs too; "sft": the defaults
             logp, mask = self._token_logprobs(model, batch, rl.temperature, options)
-            if not chunk:
+            if not chunk:  # an idle micro-batch: weight 0 and no token in the KL, but the same collectives
                 logp, mask = logp * 0.0, mask * 0.0
-            pg = -(weight[owners] * logp.sum(-1)).sum() if chunk else logp.sum()
+            pg = -((weight[owners] if chunk else 0.0) * logp.sum(-1)).sum()
             loss = pg
             if self.reference is not None:
                 with torch.no_grad():
