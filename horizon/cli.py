@@ -452,12 +452,24 @@ def _data_parallel(run, args: argparse.Namespace) -> int:
     return code
 
 
+def _train_tiers(spec: str) -> list[str]:
+    """`horizon train --tier`: one tier or a comma-separated list, each of low, high, max."""
+    tiers = [t.strip() for t in spec.split(",")]
+    bad = [t for t in tiers if t not in ("low", "high", "max")]
+    if bad:
+        raise ValueError(f"--tier {spec!r}: {bad} not allowed; give low, high or max, or a comma-separated list "
+                         f"of them (e.g. low,high,max)")
+    return tiers
+
+
 def _cmd_train(args: argparse.Namespace) -> int:
     return _data_parallel(_train, args)
 
 
 def _train(args: argparse.Namespace, sharded: bool) -> int:
     from pathlib import Path
+
+    _train_tiers(args.tier)  # a bad tier is refused before any weights load
 
     import torch
 
@@ -504,7 +516,8 @@ def _train(args: argparse.Namespace, sharded: bool) -> int:
     for name in names:
         domain = get_domain(name)
         tasks = make_split(domain, "train", args.per_domain, start_seed=args.seed * 1_000_003)
-        sources[name] = [task_example(tokenizer, model.config, t, args.tier) for t in tasks]
+        tiers = _train_tiers(args.tier)
+        sources[name] = [task_example(tokenizer, model.config, t, tiers[k % len(tiers)]) for k, t in enumerate(tasks)]
     if args.data:
         sources["data"] = read_jsonl(args.data, tokenizer, model.config)
     if not sources:
@@ -580,7 +593,8 @@ def _rl(args: argparse.Namespace, sharded: bool) -> int:
                   group_size=args.group, tiers=tiers, thinking_cost=args.thinking_cost, kl_coef=args.kl,
                   temperature=args.temperature, max_episode_steps=args.episode_steps, max_tokens=args.max_tokens,
                   indexer_loss=not args.no_indexer_loss, group_std=args.group_std, clip=args.clip,
-                  micro_batch=args.micro_batch, train_flat=args.train_flat, guide=args.guide)
+                  micro_batch=args.micro_batch, train_flat=args.train_flat, guide=args.guide,
+                  tier_per_group=args.tier_per_group)
     if args.resume:  # the run's own settings; only --steps moves
         meta = json.loads(state.read_text())
         config = config_from_dict({**meta["config"], **({"steps": args.steps} if args.steps else {})})
@@ -603,6 +617,12 @@ def _rl(args: argparse.Namespace, sharded: bool) -> int:
     if args.resume:
         trainer.restore()
     if trainer.writer:
+        # the run's settings as fixed at its start (the thinking cost among them), beside its log; a resume
+        # rewrites the same values, since it takes them from the run's state
+        out.mkdir(parents=True, exist_ok=True)
+        (out / "rl_config.json").write_text(json.dumps({"init": trainer.init, "rl": asdict(rl),
+                                                        "thinking_budgets": engine.budgets,
+                                                        "train": asdict(config)}, indent=2) + "\n")
         ranks = f" on {trainer.world} ranks (FSDP)" if sharded else ""
         print(f"horizon rl: {','.join(rl.domains)}, {rl.prompts_per_step} tasks x {rl.group_size} rollouts per step"
               f"{ranks}, step {trainer.step_idx} -> {config.steps}", flush=True)
@@ -618,6 +638,7 @@ def _cmd_eval(args: argparse.Namespace) -> int:
     from horizon.checkpoint import open_model
     from horizon.eval import eval_engine
 
+    _eval_tiers(args)  # refused before any weights load
     layout = _parallel(args)
     if isinstance(layout, int):  # this process launched the ranks; they have ended
         return layout
@@ -626,11 +647,23 @@ def _cmd_eval(args: argparse.Namespace) -> int:
     return _lockstep(engine, layout, lambda: _report_eval(args, bundle, engine))
 
 
+def _eval_tiers(args: argparse.Namespace) -> list[str]:
+    """`horizon eval`'s tiers: --tiers (a comma-separated list) or the one --tier."""
+    if args.tiers and args.tier:
+        raise ValueError(f"give --tier {args.tier} or --tiers {args.tiers}, not both")
+    tiers = [t.strip() for t in args.tiers.split(",")] if args.tiers else [args.tier or "low"]
+    bad = [t for t in tiers if t not in ("none", "low", "high", "max")]
+    if bad or len(set(tiers)) != len(tiers):
+        raise ValueError(f"--tiers {args.tiers!r}: give distinct tiers from none, low, high, max, comma-separated "
+                         f"(e.g. low,high,max)")
+    return tiers
+
+
 def _report_eval(args: argparse.Namespace, bundle, engine) -> int:
-    from horizon.eval import evaluate
+    from horizon.eval import evaluate, tier_order
 
     domains = [d for d in args.domains.split(",") if d]
-    tier = None if args.tier == "none" else args.tier
+    tiers = _eval_tiers(args)
     done = set()
 
     def progress(name, finished, total):
@@ -638,47 +671,79 @@ def _report_eval(args: argparse.Namespace, bundle, engine) -> int:
             done.add(name)
             print(f"{name}: {total} tasks done", file=sys.stderr, flush=True)
 
-    records: list | None = [] if args.records else None
-    res = evaluate(engine, bundle.tokenizer, domains, args.n, tier, args.max_steps, args.max_tokens, args.seed,
-                   progress, records)
-    if records is not None:
+    records: list = []
+    by_tier = {}
+    for tier in tiers:
+        done.clear()
+        by_tier[tier] = evaluate(engine, bundle.tokenizer, domains, args.n, None if tier == "none" else tier,
+                                 args.max_steps, args.max_tokens, args.seed, progress, records)
+    if args.records:
         with open(args.records, "w") as f:
             f.writelines(json.dumps(r) + "\n" for r in records)
-    report = {"model": bundle.source, "tier": args.tier, "n": args.n, "selection": args.selection,
-              "dtype": str(next(bundle.model.parameters()).dtype).removeprefix("torch."), "domains": res}
+    report = {"model": bundle.source, "n": args.n, "selection": args.selection,
+              "dtype": str(next(bundle.model.parameters()).dtype).removeprefix("torch."),
+              "thinking_budgets": dict(engine.budgets)}
+    if len(tiers) == 1:
+        report.update({"tier": tiers[0], "domains": by_tier[tiers[0]]})
+    else:  # per tier, and each tier against the first on the same tasks
+        report.update({"tiers": by_tier, "tier_order": tier_order(records, base=tiers[0])})
     if args.json:
         print(json.dumps(report))
         return 0
-    print(f"horizon eval: {bundle.source} ({report['dtype']}), tier {args.tier}, {args.n} held-out tasks per "
+    print(f"horizon eval: {bundle.source} ({report['dtype']}), tier {', '.join(tiers)}, {args.n} held-out tasks per "
           f"domain, DSA selection {args.selection}")
-    print(f"{'domain':<12} {'accuracy':>9} {'95% CI':>15} {'tool-call validity':>19} {'thinking tokens':>16}")
-    for name, r in res.items():
-        validity = "-" if r["tool_call_validity"] is None else f"{r['tool_call_validity']:.3f} ({r['tool_calls']})"
-        lo, hi = r["ci95"]
-        ci = f"[{lo:.3f}, {hi:.3f}]"
-        print(f"{name:<12} {r['accuracy']:>9.3f} {ci:>15} {validity:>19} {r['thinking_tokens']:>16.1f}")
+    vs = f"vs {tiers[0]} (paired)" if len(tiers) > 1 else ""
+    print(f"{'domain':<14} {'tier':<5} {'accuracy':>9} {'95% CI':>15} {'tool-call validity':>19} "
+          f"{'thinking tokens':>16}  {vs}")
+    for name in domains:
+        for tier in tiers:
+            r = by_tier[tier][name]
+            validity = "-" if r["tool_call_validity"] is None else f"{r['tool_call_validity']:.3f} ({r['tool_calls']})"
+            lo, hi = r["ci95"]
+            line = (f"{name:<14} {tier:<5} {r['accuracy']:>9.3f} {f'[{lo:.3f}, {hi:.3f}]':>15} {validity:>19} "
+                    f"{r['thinking_tokens']:>16.1f}")
+            order = report.get("tier_order", {}).get(name, {}).get(tier, {})
+            if "vs_" + tiers[0] in order:
+                d, (dlo, dhi) = order["vs_" + tiers[0]], order["vs_" + tiers[0] + "_ci95"]
+                line += f"  {d:+.3f} [{dlo:+.3f}, {dhi:+.3f}]" + (" lower" if order["lower_beyond_ci"] else "")
+            print(line)
     return 0
 
 
 def _cmd_compare(args: argparse.Namespace) -> int:
     from horizon.eval import compare, read_records
 
-    res = compare(read_records(args.a), read_records(args.b))
+    if not args.thinking_cost >= 0:
+        raise ValueError(f"--thinking-cost {args.thinking_cost}: allowed a number >= 0")
+    res = compare(read_records(args.a), read_records(args.b), thinking_cost=args.thinking_cost)
     if args.json:
         print(json.dumps(res))
         return 0
-    print(f"horizon compare: A = {args.a}, B = {args.b} (paired on the same held-out tasks; 95% intervals)")
-    print(f"{'domain':<14} {'n':>5} {'A':>7} {'B':>7} {'A - B':>7} {'95% CI':>17} {'normalised':>11} {'95% CI':>17}"
-          f" {'only A':>7} {'only B':>7}")
+    cost = (f"; reward net of a thinking cost of {args.thinking_cost} per whole budget" if args.thinking_cost
+            else "")
+    print(f"horizon compare: A = {args.a}, B = {args.b} (paired on the same held-out tasks; 95% intervals{cost})")
+    print(f"{'domain':<20} {'n':>5} {'A':>7} {'B':>7} {'A - B':>7} {'95% CI':>17} {'normalised':>11} {'95% CI':>17}"
+          f" {'only A':>7} {'only B':>7} {'think A':>8} {'think B':>8} {'change':>7}")
     for name, d in res["domains"].items():
         ci, nci = d["difference_ci95"], d["normalized_ci95"]
-        print(f"{name:<14} {d['n']:>5} {d['accuracy_a']:>7.3f} {d['accuracy_b']:>7.3f} {d['difference']:>+7.3f} "
+        change = "-" if d["thinking_change"] is None else f"{d['thinking_change']:+.0%}"
+        print(f"{name:<20} {d['n']:>5} {d['accuracy_a']:>7.3f} {d['accuracy_b']:>7.3f} {d['difference']:>+7.3f} "
               f"{f'[{ci[0]:+.3f}, {ci[1]:+.3f}]':>17} {d['normalized_difference']:>+11.3f} "
-              f"{f'[{nci[0]:+.3f}, {nci[1]:+.3f}]':>17} {d['only_a']:>7} {d['only_b']:>7}")
+              f"{f'[{nci[0]:+.3f}, {nci[1]:+.3f}]':>17} {d['only_a']:>7} {d['only_b']:>7} "
+              f"{d['thinking_tokens_a']:>8.1f} {d['thinking_tokens_b']:>8.1f} {change:>7}")
     lo, hi = res["mean_normalized_ci95"]
-    print(f"mean normalised reward, A - B: {res['mean_normalized_difference']:+.4f} [{lo:+.4f}, {hi:+.4f}]; "
+    print(f"mean normalised reward{' (net of thinking)' if args.thinking_cost else ''}, A - B: "
+          f"{res['mean_normalized_difference']:+.4f} [{lo:+.4f}, {hi:+.4f}]; "
           f"A better: {'yes' if res['a_better'] else 'no'}; no domain lower beyond its interval: "
           f"{'yes' if res['no_domain_lower'] else 'no'}")
+    for label in ("a", "b"):
+        order = res.get(f"tier_order_{label}")
+        if not order:
+            continue
+        lower = [f"{domain}@{tier}" for domain, tiers in order.items() for tier, row in tiers.items()
+                 if row.get("lower_beyond_ci")]
+        print(f"tier order of {label.upper()}: " + ("every tier at least as accurate as low within its interval"
+                                                     if not lower else f"below low beyond the interval: {lower}"))
     return 0
 
 
@@ -877,7 +942,9 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--data", default=None, help="a JSONL of chats: {\"messages\": [...], \"tools\"?, \"tier\"?}")
     p.add_argument("--ratios", default=None, help="sampling ratios, one per source (domains, then data)")
     p.add_argument("--per-domain", type=int, default=1000, help="training tasks generated per domain")
-    p.add_argument("--tier", choices=["low", "high", "max"], default="low", help="tier stated for thinking targets")
+    p.add_argument("--tier", default="low", metavar="TIER[,TIER...]",
+                   help="tier stated for thinking targets (low, high or max); a list such as low,high,max renders "
+                        "the domains' tasks under each in turn")
     p.add_argument("--thinking-budgets", default=None, metavar="LOW,HIGH,MAX",
                    help="thinking-token caps per tier written to the checkpoint's generation config")
     p.add_argument("--steps", type=int, default=None, help="optimiser steps (default 200; with --resume: the new end)")
@@ -909,6 +976,9 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--prompts", type=int, default=4, help="tasks per step")
     p.add_argument("--group", type=int, default=4, help="rollouts per task (the GRPO group)")
     p.add_argument("--tiers", default="low", help="thinking tiers sampled per rollout, e.g. none,low,high")
+    p.add_argument("--tier-per-group", action="store_true",
+                   help="draw the tier once per task, so a group's rollouts share it (the baseline then compares "
+                        "thinking under one budget)")
     p.add_argument("--thinking-cost", type=float, default=0.0,
                    help="cost of a whole thinking budget, in standard deviations of the domain's reward")
     p.add_argument("--kl", type=float, default=0.0, help="KL penalty to the initial policy (0: off)")
@@ -942,7 +1012,11 @@ def build_parser() -> argparse.ArgumentParser:
 
     p = sub.add_parser("eval", help="held-out tasks per domain: accuracy with a 95%% CI, tool-call validity, thinking")
     p.add_argument("--model", default=None, help="checkpoint folder (default: the bundled model)")
-    p.add_argument("--tier", choices=["none", "low", "high", "max"], default="low")
+    p.add_argument("--tier", choices=["none", "low", "high", "max"], default=None,
+                   help="the thinking tier (default low)")
+    p.add_argument("--tiers", default=None, metavar="TIER,TIER...",
+                   help="several tiers in one run, e.g. low,high,max: a table per domain and tier, and each "
+                        "tier against the first on the same tasks")
     p.add_argument("--domains", default="arithmetic,passkey-short,terminal,convert,image")
     p.add_argument("--n", type=int, default=100, help="held-out tasks per domain")
     p.add_argument("--max-steps", type=int, default=6, help="model calls per task")
@@ -962,6 +1036,10 @@ def build_parser() -> argparse.ArgumentParser:
     p = sub.add_parser("compare", help="two models' eval records on the same tasks: paired differences, 95%% CIs")
     p.add_argument("a", help="records of model A (horizon eval --records)")
     p.add_argument("b", help="records of model B, the baseline")
+    p.add_argument("--thinking-cost", type=float, default=0.0,
+                   help="charge each record this much per whole thinking budget of its tier, in standard "
+                        "deviations of its domain's reward (horizon rl's --thinking-cost): the normalised "
+                        "difference is then of reward net of thinking")
     p.add_argument("--json", action="store_true")
     p.set_defaults(func=_cmd_compare)
     return parser

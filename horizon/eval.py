@@ -140,7 +140,9 @@ def evaluate(engine, tokenizer, domains=DEFAULT_DOMAINS, n: int = 100, tier: str
                         valid += valid_call(c, offered)
                 rewards.append(reward_of(domain, task, tools, result.answer))
                 if records is not None:
-                    records.append({"domain": name, "id": task.id, "reward": rewards[-1], "answer": result.answer,
+                    records.append({"domain": name, "id": task.id, "tier": tier or "none",
+                                    "thinking_budget": engine.budgets[tier] if tier else 0,
+                                    "reward": rewards[-1], "answer": result.answer,
                                     "reference": task.answer, "thinking_tokens": result.usage.reasoning_tokens,
                                     "steps": result.steps, "messages": result.messages})
                 thinking.append(result.usage.reasoning_tokens)
@@ -159,40 +161,73 @@ def _mean_var(xs: list[float]) -> tuple[float, float]:
     return m, (sum((x - m) ** 2 for x in xs) / (n - 1) / n if n > 1 else 0.0)
 
 
-def compare(a: list[dict[str, Any]], b: list[dict[str, Any]], z: float = 1.96) -> dict[str, Any]:
-    """Model A's eval records against model B's on the same tasks (paired by domain and task id).
+def cell(record: dict[str, Any]) -> str:
+    """What a record is paired within: its domain, and its tier when it has one ("arithmetic@high")."""
+    return f"{record['domain']}@{record['tier']}" if "tier" in record else record["domain"]
 
-    ValueError when a domain's tasks differ between the two (the comparison would not be paired)."""
-    def by_domain(records):
+
+def charged(record: dict[str, Any], thinking_cost: float) -> float:
+    """The thinking cost the RL reward charges a record: thinking_cost per whole budget of its tier."""
+    if thinking_cost == 0 or not record.get("thinking_tokens"):
+        return 0.0
+    budget = record.get("thinking_budget")
+    if not budget:
+        raise ValueError(f"{record['domain']} {record['id']}: a thinking cost needs each record's thinking_budget "
+                         "(written by horizon eval --records since --tiers; evaluate again)")
+    return thinking_cost * float(record["thinking_tokens"]) / float(budget)
+
+
+def compare(a: list[dict[str, Any]], b: list[dict[str, Any]], z: float = 1.96,
+            thinking_cost: float = 0.0) -> dict[str, Any]:
+    """Model A's eval records against model B's on the same tasks, paired by domain, tier and task id.
+
+    One row per domain, or per domain and tier for records written by `horizon eval --tiers`. The
+    normalised reward divides by the domain's reward spread over both models and all its tiers; with
+    `thinking_cost` C, each record is charged C x thinking tokens / its tier's budget in those units
+    (the RL reward's cost), so the normalised difference is of reward net of thinking. Thinking tokens
+    get a paired difference too. ValueError when a row's tasks differ between the two."""
+    def by_cell(records):
         out: dict[str, dict[str, dict]] = {}
         for r in records:
-            out.setdefault(r["domain"], {})[r["id"]] = r
+            out.setdefault(cell(r), {})[r["id"]] = r
         return out
 
-    da, db = by_domain(a), by_domain(b)
+    da, db = by_cell(a), by_cell(b)
     if set(da) != set(db):
-        raise ValueError(f"the records cover different domains: {sorted(da)} vs {sorted(db)}")
-    domains: dict[str, Any] = {}
+        raise ValueError(f"the records cover different domains/tiers: {sorted(da)} vs {sorted(db)}")
+    spread: dict[str, float] = {}  # a domain's reward std over both models and every tier
+    for domain in {r["domain"] for r in a}:
+        pooled = [float(r["reward"]) for r in (*a, *b) if r["domain"] == domain]
+        mean = sum(pooled) / len(pooled)
+        spread[domain] = math.sqrt(sum((r - mean) ** 2 for r in pooled) / len(pooled))
+    cells: dict[str, Any] = {}
     total, total_var = 0.0, 0.0
-    for name in da:
+    domain_order = list(dict.fromkeys(r["domain"] for r in a))
+    tier_rank = {t: k for k, t in enumerate(("none", "low", "high", "max"))}
+    for name in sorted(da, key=lambda c: (domain_order.index(c.split("@")[0]),
+                                          tier_rank.get(c.split("@")[1], 9) if "@" in c else 0)):
         ids = sorted(da[name])
         if set(ids) != set(db[name]):
             raise ValueError(f"{name}: the two records hold different tasks ({len(ids)} vs {len(db[name])}); "
                              "evaluate both with the same --n and --seed")
-        ra = [float(da[name][i]["reward"]) for i in ids]
-        rb = [float(db[name][i]["reward"]) for i in ids]
+        pairs = [(da[name][i], db[name][i]) for i in ids]
+        first = pairs[0][0]
+        std = spread[first["domain"]]
+        ra = [float(x["reward"]) for x, _ in pairs]
+        rb = [float(y["reward"]) for _, y in pairs]
+        ta = [float(x.get("thinking_tokens", 0)) for x, _ in pairs]
+        tb = [float(y.get("thinking_tokens", 0)) for _, y in pairs]
         n = len(ids)
-        pooled = ra + rb
-        mean = sum(pooled) / len(pooled)
-        std = math.sqrt(sum((r - mean) ** 2 for r in pooled) / len(pooled))
         diff, diff_var = _mean_var([x - y for x, y in zip(ra, rb, strict=True)])
         half = z * math.sqrt(diff_var)
-        # every reward equal in both: nothing to normalise by, and nothing differs
-        norm, norm_var = (diff / std, diff_var / std ** 2) if std > 0 else (0.0, 0.0)
+        # every reward of the domain equal: nothing to normalise by, and no reward differs (the cost still may)
+        norm, norm_var = _mean_var([((float(x["reward"]) - float(y["reward"])) / std if std > 0 else 0.0)
+                                    - charged(x, thinking_cost) + charged(y, thinking_cost) for x, y in pairs])
         total, total_var = total + norm, total_var + norm_var
-        think = [(float(da[name][i].get("thinking_tokens", 0)), float(db[name][i].get("thinking_tokens", 0)))
-                 for i in ids]
-        domains[name] = {
+        think, think_var = _mean_var([x - y for x, y in zip(ta, tb, strict=True)])
+        mean_tb = sum(tb) / n
+        cells[name] = {
+            "domain": first["domain"], "tier": first.get("tier"),
             "n": n, "accuracy_a": sum(ra) / n, "ci95_a": list(wilson(sum(ra), n)),
             "accuracy_b": sum(rb) / n, "ci95_b": list(wilson(sum(rb), n)),
             "difference": diff, "difference_ci95": [diff - half, diff + half],
@@ -200,15 +235,49 @@ def compare(a: list[dict[str, Any]], b: list[dict[str, Any]], z: float = 1.96) -
             "normalized_ci95": [norm - z * math.sqrt(norm_var), norm + z * math.sqrt(norm_var)],
             "only_a": sum(x > y for x, y in zip(ra, rb, strict=True)),
             "only_b": sum(y > x for x, y in zip(ra, rb, strict=True)),
-            "thinking_tokens_a": sum(t for t, _ in think) / n, "thinking_tokens_b": sum(t for _, t in think) / n,
+            "thinking_tokens_a": sum(ta) / n, "thinking_tokens_b": mean_tb,
+            "thinking_difference": think,
+            "thinking_ci95": [think - z * math.sqrt(think_var), think + z * math.sqrt(think_var)],
+            "thinking_change": think / mean_tb if mean_tb else None,
+            "cost_a": sum(charged(x, thinking_cost) for x, _ in pairs) / n,
+            "cost_b": sum(charged(y, thinking_cost) for _, y in pairs) / n,
             "lower_beyond_ci": diff + half < 0,
         }
-    k = len(domains)
+    k = len(cells)
     mean_norm, half = total / k, z * math.sqrt(total_var) / k
-    return {"domains": domains, "mean_normalized_difference": mean_norm,
-            "mean_normalized_ci95": [mean_norm - half, mean_norm + half],
-            "a_better": mean_norm - half > 0,
-            "no_domain_lower": not any(d["lower_beyond_ci"] for d in domains.values())}
+    out = {"thinking_cost": thinking_cost, "domains": cells, "mean_normalized_difference": mean_norm,
+           "mean_normalized_ci95": [mean_norm - half, mean_norm + half],
+           "a_better": mean_norm - half > 0,
+           "no_domain_lower": not any(d["lower_beyond_ci"] for d in cells.values())}
+    if any("tier" in r for r in a):
+        out["tier_order_a"], out["tier_order_b"] = tier_order(a, z=z), tier_order(b, z=z)
+    return out
+
+
+def tier_order(records: list[dict[str, Any]], base: str = "low", z: float = 1.96) -> dict[str, Any]:
+    """One model's tiers against each other on the same tasks (records of `horizon eval --tiers`).
+
+    Per domain and tier: accuracy (Wilson), thinking tokens, and the paired difference in accuracy
+    from tier `base` with its 95% interval; `lower_beyond_ci` marks a tier worse than `base` beyond
+    it (a higher tier should never be: it may think more, not worse)."""
+    by: dict[str, dict[str, dict[str, dict]]] = {}
+    for r in records:
+        by.setdefault(r["domain"], {}).setdefault(r.get("tier", "low"), {})[r["id"]] = r
+    out: dict[str, Any] = {}
+    for domain, tiers in by.items():
+        rows = {}
+        for tier, recs in tiers.items():
+            n = len(recs)
+            acc = sum(float(r["reward"]) for r in recs.values())
+            row = {"n": n, "accuracy": acc / n, "ci95": list(wilson(acc, n)),
+                   "thinking_tokens": sum(float(r.get("thinking_tokens", 0)) for r in recs.values()) / n}
+            if base in tiers and tier != base and set(recs) == set(tiers[base]):
+                d, var = _mean_var([float(recs[i]["reward"]) - float(tiers[base][i]["reward"]) for i in recs])
+                row.update({"vs_" + base: d, "vs_" + base + "_ci95": [d - z * math.sqrt(var), d + z * math.sqrt(var)],
+                            "lower_beyond_ci": d + z * math.sqrt(var) < 0})
+            rows[tier] = row
+        out[domain] = rows
+    return out
 
 
 def read_records(path) -> list[dict[str, Any]]:

@@ -13,7 +13,7 @@ from horizon.agent.local import EngineClient
 from horizon.checkpoint import open_model
 from horizon.cli import main
 from horizon.engine import Engine, EngineConfig
-from horizon.eval import check_selection, compare, eval_engine, valid_call, wilson
+from horizon.eval import check_selection, compare, eval_engine, tier_order, valid_call, wilson
 
 
 def test_engine_client_runs_forced_calls_and_resumes_each_step_from_the_cache():
@@ -79,6 +79,81 @@ def test_eval_runs_in_bf16_and_records_every_task(capsys, tmp_path):
         assert r["messages"][0]["role"] == "user" and r["id"].startswith(r["domain"] + "-heldout-")
         assert r["reward"] in (0.0, 1.0) and isinstance(r["reference"], str)
     assert sum(r["reward"] for r in rows[:2]) / 2 == report["domains"]["arithmetic"]["accuracy"]
+
+
+def test_eval_tiers_runs_each_tier_on_the_same_tasks_in_one_command(capsys, tmp_path):
+    records = tmp_path / "records.jsonl"
+    assert main(["eval", "--model", "tiny-random", "--domains", "recall,passkey-short", "--n", "2", "--max-tokens",
+                 "16", "--max-steps", "1", "--tiers", "low,high,max", "--json", "--records", str(records)]) == 0
+    report = json.loads(capsys.readouterr().out)
+    assert list(report["tiers"]) == ["low", "high", "max"] and "domains" not in report
+    budgets = report["thinking_budgets"]
+    rows = [json.loads(line) for line in records.read_text().splitlines()]
+    assert len(rows) == 3 * 2 * 2
+    for tier, res in report["tiers"].items():
+        for domain, r in res.items():
+            mine = [x for x in rows if x["tier"] == tier and x["domain"] == domain]
+            assert [x["thinking_budget"] for x in mine] == [budgets[tier]] * 2
+            assert r["accuracy"] == sum(x["reward"] for x in mine) / 2
+            assert r["thinking_tokens"] == sum(x["thinking_tokens"] for x in mine) / 2
+            order = report["tier_order"][domain][tier]
+            assert order["accuracy"] == r["accuracy"] and ("vs_low" in order) == (tier != "low")
+    # every tier saw the same tasks (paired)
+    assert len({tuple(x["id"] for x in rows if x["tier"] == t) for t in ("low", "high", "max")}) == 1
+    assert main(["eval", "--model", "tiny-random", "--tiers", "low,huge"]) == 2
+    assert "--tiers 'low,huge': give distinct tiers from none, low, high, max" in capsys.readouterr().err
+    assert main(["eval", "--tier", "high", "--tiers", "low,high"]) == 2
+    assert "not both" in capsys.readouterr().err
+
+
+def _tiered(domain: str, tier: str, budget: int, rewards: list[float], thinking: list[int]) -> list[dict]:
+    return [{"domain": domain, "id": f"{domain}-heldout-{i}", "tier": tier, "thinking_budget": budget, "reward": r,
+             "thinking_tokens": t} for i, (r, t) in enumerate(zip(rewards, thinking, strict=True))]
+
+
+def test_compare_pairs_each_tier_and_charges_thinking_per_budget_of_its_tier(tmp_path, capsys):
+    # passkey: both always right; A thinks 20 tokens where B thinks 60, at low (budget 100) and max (budget 1000)
+    a = _tiered("passkey", "low", 100, [1.0] * 4, [20] * 4) + _tiered("passkey", "max", 1000, [1.0] * 4, [20] * 4)
+    b = _tiered("passkey", "low", 100, [1.0] * 4, [60] * 4) + _tiered("passkey", "max", 1000, [1.0] * 4, [60] * 4)
+    # arithmetic at low: A right on 3 of 4, B on 1; A thinks 50, B 10
+    a += _tiered("arithmetic", "low", 100, [1.0, 1.0, 1.0, 0.0], [50] * 4)
+    b += _tiered("arithmetic", "low", 100, [1.0, 0.0, 0.0, 0.0], [10] * 4)
+    free = compare(a, b)
+    assert list(free["domains"]) == ["passkey@low", "passkey@max", "arithmetic@low"]
+    assert free["domains"]["passkey@low"]["normalized_difference"] == 0.0  # no cost: equal rewards, no difference
+    res = compare(a, b, thinking_cost=2.0)
+    low, top, arith = (res["domains"][k] for k in ("passkey@low", "passkey@max", "arithmetic@low"))
+    assert (low["tier"], low["thinking_tokens_a"], low["thinking_tokens_b"]) == ("low", 20, 60)
+    assert low["thinking_difference"] == -40 and low["thinking_change"] == pytest.approx(-2 / 3)
+    # the cost: 2.0 per whole budget, so 40 fewer tokens are worth 0.8 at low and 0.08 at max
+    assert low["normalized_difference"] == pytest.approx(0.8) and top["normalized_difference"] == pytest.approx(0.08)
+    assert (low["cost_a"], low["cost_b"]) == (pytest.approx(0.4), pytest.approx(1.2))
+    std = math.sqrt(0.5 * 0.5)  # arithmetic's rewards over both models: 4 of 8 right
+    assert arith["normalized_difference"] == pytest.approx(0.5 / std - 2.0 * 40 / 100)
+    assert arith["difference"] == 0.5
+    assert res["mean_normalized_difference"] == pytest.approx((0.8 + 0.08 + 0.5 / std - 0.8) / 3)
+    # each model's tiers against its own low, on the same tasks
+    assert res["tier_order_a"]["passkey"]["max"]["vs_low"] == 0.0
+    pa, pb = tmp_path / "a.jsonl", tmp_path / "b.jsonl"
+    pa.write_text("".join(json.dumps(r) + "\n" for r in a))
+    pb.write_text("".join(json.dumps(r) + "\n" for r in b))
+    assert main(["compare", str(pa), str(pb), "--thinking-cost", "2"]) == 0
+    out = capsys.readouterr().out
+    assert "passkey@low" in out and "-67%" in out and "net of thinking" in out and "tier order of A" in out
+    # records without budgets (written before --tiers) cannot be charged
+    with pytest.raises(ValueError, match="thinking_budget"):
+        compare([{**r, "thinking_budget": None} for r in a], b, thinking_cost=1.0)
+
+
+def test_tier_order_flags_a_higher_tier_worse_than_low_beyond_its_interval():
+    records = (_tiered("arithmetic", "low", 128, [1.0] * 40, [90] * 40)
+               + _tiered("arithmetic", "high", 512, [1.0] * 20 + [0.0] * 20, [100] * 40)
+               + _tiered("arithmetic", "max", 2048, [1.0] * 39 + [0.0], [120] * 40))
+    order = tier_order(records)["arithmetic"]
+    assert order["high"]["vs_low"] == -0.5 and order["high"]["lower_beyond_ci"]
+    assert order["max"]["vs_low"] == pytest.approx(-0.025) and not order["max"]["lower_beyond_ci"]
+    assert (order["low"]["thinking_tokens"], order["max"]["thinking_tokens"]) == (90, 120)
+    assert "vs_low" not in order["low"]
 
 
 def _records(domain: str, rewards: list[float]) -> list[dict]:

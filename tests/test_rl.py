@@ -143,7 +143,7 @@ def test_a_tiny_rl_run_rolls_out_updates_and_resumes(tmp_path, capsys):
     out = tmp_path / "rl"
     args = ["rl", "--init", str(init), "--out", str(out), "--domains", "arithmetic,convert", "--prompts", "2",
             "--group", "2", "--tiers", "none,low", "--max-tokens", "12", "--episode-steps", "2", "--kl", "0.1",
-            "--thinking-cost", "0.1", "--lr", "1e-3", "--save-every", "1", "--no-progress"]
+            "--thinking-cost", "0.1", "--tier-per-group", "--lr", "1e-3", "--save-every", "1", "--no-progress"]
     validation = ["--eval-every", "1", "--eval-n", "2", "--eval-tier", "none"]
     assert main([*args, "--steps", "1", *validation]) == 0
     capsys.readouterr()
@@ -164,6 +164,15 @@ def test_a_tiny_rl_run_rolls_out_updates_and_resumes(tmp_path, capsys):
     for entry in state["log"]:
         assert entry["kl"] >= 0 and set(entry["domains"]) <= {"arithmetic", "convert"}
         assert sum(d["rollouts"] for d in entry["domains"].values()) == 4
+        for d in entry["domains"].values():  # per tier; one tier per group of 2 (--tier-per-group)
+            assert set(d["tiers"]) <= {"none", "low"}
+            assert sum(t["rollouts"] for t in d["tiers"].values()) == d["rollouts"]
+            assert all(t["rollouts"] % 2 == 0 for t in d["tiers"].values())
+            assert all(t["cost"] == pytest.approx(0.1 * t["thinking_tokens"] / 4) for k, t in d["tiers"].items()
+                       if k == "low")  # the cost per whole budget of the tier (low: 4 tokens)
+    config = json.loads((out / "rl_config.json").read_text())  # the settings fixed at the run's start
+    assert config["rl"]["thinking_cost"] == 0.1 and config["rl"]["tier_per_group"]
+    assert config["thinking_budgets"] == {"low": 4, "high": 8, "max": 16} and config["init"] == str(init)
     assert (out / "rl_curves.png").exists() and (out / "rl_log.jsonl").exists()
 
 

@@ -197,3 +197,22 @@ def test_dense_stage_trains_everything_with_dense_attention(tmp_path):
             m.indexer.topk = 10**6  # every position selected: dense by construction
         assert trainer.loss(batch)[0].item() == pytest.approx(dense, rel=1e-5)
     assert sparse != pytest.approx(dense, rel=1e-5)
+
+
+def test_train_renders_the_domains_references_under_each_listed_tier(tmp_path, monkeypatch, capsys):
+    import horizon.train
+
+    seen = []
+    real = horizon.train.task_example
+
+    def spy(tokenizer, cfg, task, tier="low"):
+        seen.append((task.domain, tier))
+        return real(tokenizer, cfg, task, tier)
+
+    monkeypatch.setattr(horizon.train, "task_example", spy)
+    assert main(["train", "--out", str(tmp_path / "run"), "--domains", "recall", "--per-domain", "6", "--tier",
+                 "low,high,max", "--batch-size", "2", "--max-len", "64", "--steps", "1", "--no-progress"]) == 0
+    assert seen == [("recall", t) for t in ("low", "high", "max") * 2]  # task k under tier k mod 3
+    capsys.readouterr()
+    assert main(["train", "--out", str(tmp_path / "bad"), "--domains", "recall", "--tier", "low,medium"]) == 2
+    assert "--tier 'low,medium': ['medium'] not allowed" in capsys.readouterr().err

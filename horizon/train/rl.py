@@ -153,6 +153,16 @@ def token_weights(adv: list[float], n_tokens: torch.Tensor) -> torch.Tensor:
     return torch.tensor(adv, dtype=torch.float32) / max(1.0, float(n_tokens.float().mean())) / len(adv)
 
 
+def per_tier(rollouts: list[dict[str, Any]]) -> dict[str, dict[str, float]]:
+    """A step's rollouts of one domain, by tier: mean reward, thinking tokens, thinking cost and count."""
+    out: dict[str, list[dict[str, Any]]] = {}
+    for r in rollouts:
+        out.setdefault(r["tier"], []).append(r)
+    return {t: {"reward": sum(r["reward"] for r in rs) / len(rs), "thinking_tokens": sum(r["thinking"] for r in rs)
+                / len(rs), "cost": sum(r["cost"] for r in rs) / len(rs), "rollouts": len(rs)}
+            for t, rs in sorted(out.items())}
+
+
 @dataclass
 class RLConfig:
     domains: list[str] = field(default_factory=lambda: ["arithmetic"])
@@ -162,6 +172,9 @@ class RLConfig:
     group_size: int = 4
     tiers: list[str | None] = field(default_factory=lambda: ["low"])
     thinking_cost: float = 0.0  # what a whole thinking budget costs, in standard deviations of the domain's reward
+    # one tier per group (drawn per task) instead of per rollout: the group's baseline then compares rollouts
+    # under the same tier and budget, so what the advantage rewards is the thinking, not the tier drawn
+    tier_per_group: bool = False
     kl_coef: float = 0.0
     temperature: float = 1.0
     max_episode_steps: int = 4
@@ -256,8 +269,10 @@ class RLTrainer(Trainer):
             name = rl.domains[k]
             task = self.domains[name].generate(self.next_seed, "train")
             self.next_seed += 1
+            group_tier = rng.choice(rl.tiers) if rl.tier_per_group else None
             for m in range(rl.group_size):
                 tier, seed = rng.choice(rl.tiers), rng.randrange(2**31)
+                tier = group_tier if rl.tier_per_group else tier
                 if g % self.world != self.rank:
                     continue
                 tools = task_tools(task, str(self.out))
@@ -331,6 +346,7 @@ class RLTrainer(Trainer):
             tokens[i] = tokens.get(i, 0) + sum(ex.mask[1:])
             sequences[i] = sequences.get(i, 0) + 1
         every = self._everyones([{"index": r["index"], "domain": r["task"].domain, "group": r["group"],
+                                  "tier": r["tier"] or "none",
                                   "reward": r["reward"], "cost": r["cost"], "thinking": r["thinking"],
                                   "guide": "guide" in r, "tokens": tokens.get(r["index"], 0),
                                   "sequences": sequences.get(r["index"], 0)} for r in runs])
@@ -411,7 +427,7 @@ class RLTrainer(Trainer):
                                     "normalized": sum(r["norm"] for r in rs) / len(rs),
                                     "advantage_abs": sum(abs(r["advantage"]) for r in rs) / len(rs),
                                     "thinking_tokens": sum(r["thinking"] for r in rs) / len(rs),
-                                    "rollouts": len(rs)} for name, rs in by_domain.items()}}
+                                    "rollouts": len(rs), "tiers": per_tier(rs)} for name, rs in by_domain.items()}}
         self.log.append(entry)
         return entry
 
@@ -473,28 +489,44 @@ class RLTrainer(Trainer):
     def plot(self, plt, window: int = 10):
         """Per domain: reward, accuracy, thinking tokens and mean |advantage| (the weight the domain gets in
         the gradient); and the KL to the initial policy. Faint: each step; solid: a rollout-weighted
-        moving average over `window` steps (a step holds only a few tasks per domain). With validation
+        moving average over `window` steps (a step holds only a few tasks per domain). With several tiers,
+        thinking tokens are drawn per domain (colour) and tier (line style). With validation
         (eval_every), a sixth panel: greedy held-out accuracy, the number the sampled accuracy only hints at."""
         keys = ("reward", "accuracy", "thinking_tokens", "advantage_abs")
         panels = 6 if self.heldout else 5
         fig, axes = plt.subplots(1, panels, figsize=(4 * panels, 3.5))
         if self.heldout:
             self.plot_heldout(axes[5])
+        tiers = [t or "none" for t in self.rl.tiers]
+        styles = dict(zip(("none", "low", "high", "max"), (":", "-", "--", "-."), strict=True))
         for k, name in enumerate(self.rl.domains):
             pts = [(e["step"], e["domains"][name]) for e in self.log if name in e["domains"]]
-            steps = [s for s, _ in pts]
             for ax, key in zip(axes[:4], keys, strict=True):
-                values = [d.get(key, 0.0) for _, d in pts]
-                weights = [d["rollouts"] for _, d in pts]
-                smooth = []
-                for i, s in enumerate(steps):
-                    near = [j for j in range(i + 1) if steps[j] > s - window]
-                    smooth.append(sum(values[j] * weights[j] for j in near) / sum(weights[j] for j in near))
-                ax.plot(steps, values, color=f"C{k}", alpha=0.25)
-                ax.plot(steps, smooth, color=f"C{k}", label=name)
+                if key == "thinking_tokens" and len(tiers) > 1:
+                    for tier in tiers:
+                        sub = [(s, d["tiers"][tier]) for s, d in pts if tier in d.get("tiers", {})]
+                        _curve(ax, sub, key, window, f"C{k}", f"{name} {tier}", styles[tier])
+                else:
+                    _curve(ax, pts, key, window, f"C{k}", name, "-")
         axes[4].plot([e["step"] for e in self.log], [e["kl"] for e in self.log])
         titles = ("reward", "accuracy", "thinking tokens", "mean |advantage|", "KL to the initial policy")
         for ax, title in zip(axes[:5], titles, strict=True):
             ax.set(xlabel="step", title=title)
         axes[0].legend()
+        if len(tiers) > 1:
+            axes[2].legend(fontsize="x-small", ncol=2)
         return fig
+
+
+def _curve(ax, points: list[tuple[int, dict[str, Any]]], key: str, window: int, color: str, label: str,
+           style: str) -> None:
+    """One series of the RL plot: each step faint, and a rollout-weighted moving average over `window` steps."""
+    steps = [s for s, _ in points]
+    values = [d.get(key, 0.0) for _, d in points]
+    weights = [d["rollouts"] for _, d in points]
+    smooth = []
+    for i, s in enumerate(steps):
+        near = [j for j in range(i + 1) if steps[j] > s - window]
+        smooth.append(sum(values[j] * weights[j] for j in near) / sum(weights[j] for j in near))
+    ax.plot(steps, values, color=color, alpha=0.25, linestyle=style)
+    ax.plot(steps, smooth, color=color, label=label, linestyle=style)
