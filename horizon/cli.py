@@ -469,7 +469,7 @@ def _cmd_train(args: argparse.Namespace) -> int:
 def _train(args: argparse.Namespace, sharded: bool) -> int:
     from pathlib import Path
 
-    _train_tiers(args.tier)  # a bad tier is refused before any weights load
+    tiers = _train_tiers(args.tier)  # a bad tier is refused before any weights load
 
     import torch
 
@@ -516,7 +516,6 @@ def _train(args: argparse.Namespace, sharded: bool) -> int:
     for name in names:
         domain = get_domain(name)
         tasks = make_split(domain, "train", args.per_domain, start_seed=args.seed * 1_000_003)
-        tiers = _train_tiers(args.tier)
         sources[name] = [task_example(tokenizer, model.config, t, tiers[k % len(tiers)]) for k, t in enumerate(tasks)]
     if args.data:
         sources["data"] = read_jsonl(args.data, tokenizer, model.config)
@@ -671,13 +670,13 @@ def _report_eval(args: argparse.Namespace, bundle, engine) -> int:
             done.add(name)
             print(f"{name}: {total} tasks done", file=sys.stderr, flush=True)
 
-    records: list = []
+    records: list | None = [] if args.records or len(tiers) > 1 else None  # several tiers: paired from them
     by_tier = {}
     for tier in tiers:
         done.clear()
         by_tier[tier] = evaluate(engine, bundle.tokenizer, domains, args.n, None if tier == "none" else tier,
                                  args.max_steps, args.max_tokens, args.seed, progress, records)
-    if args.records:
+    if args.records and records is not None:
         with open(args.records, "w") as f:
             f.writelines(json.dumps(r) + "\n" for r in records)
     report = {"model": bundle.source, "n": args.n, "selection": args.selection,

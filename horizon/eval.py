@@ -204,8 +204,12 @@ def compare(a: list[dict[str, Any]], b: list[dict[str, Any]], z: float = 1.96,
     total, total_var = 0.0, 0.0
     domain_order = list(dict.fromkeys(r["domain"] for r in a))
     tier_rank = {t: k for k, t in enumerate(("none", "low", "high", "max"))}
-    for name in sorted(da, key=lambda c: (domain_order.index(c.split("@")[0]),
-                                          tier_rank.get(c.split("@")[1], 9) if "@" in c else 0)):
+
+    def row_order(name: str) -> tuple[int, int]:  # domains as A's records list them, then tiers low to max
+        r = next(iter(da[name].values()))
+        return domain_order.index(r["domain"]), tier_rank.get(r.get("tier"), 0)
+
+    for name in sorted(da, key=row_order):
         ids = sorted(da[name])
         if set(ids) != set(db[name]):
             raise ValueError(f"{name}: the two records hold different tasks ({len(ids)} vs {len(db[name])}); "
@@ -217,12 +221,14 @@ def compare(a: list[dict[str, Any]], b: list[dict[str, Any]], z: float = 1.96,
         rb = [float(y["reward"]) for _, y in pairs]
         ta = [float(x.get("thinking_tokens", 0)) for x, _ in pairs]
         tb = [float(y.get("thinking_tokens", 0)) for _, y in pairs]
+        ca = [charged(x, thinking_cost) for x, _ in pairs]
+        cb = [charged(y, thinking_cost) for _, y in pairs]
         n = len(ids)
         diff, diff_var = _mean_var([x - y for x, y in zip(ra, rb, strict=True)])
         half = z * math.sqrt(diff_var)
         # every reward of the domain equal: nothing to normalise by, and no reward differs (the cost still may)
-        norm, norm_var = _mean_var([((float(x["reward"]) - float(y["reward"])) / std if std > 0 else 0.0)
-                                    - charged(x, thinking_cost) + charged(y, thinking_cost) for x, y in pairs])
+        norm, norm_var = _mean_var([((x - y) / std if std > 0 else 0.0) - cx + cy
+                                    for x, y, cx, cy in zip(ra, rb, ca, cb, strict=True)])
         total, total_var = total + norm, total_var + norm_var
         think, think_var = _mean_var([x - y for x, y in zip(ta, tb, strict=True)])
         mean_tb = sum(tb) / n
@@ -239,8 +245,7 @@ def compare(a: list[dict[str, Any]], b: list[dict[str, Any]], z: float = 1.96,
             "thinking_difference": think,
             "thinking_ci95": [think - z * math.sqrt(think_var), think + z * math.sqrt(think_var)],
             "thinking_change": think / mean_tb if mean_tb else None,
-            "cost_a": sum(charged(x, thinking_cost) for x, _ in pairs) / n,
-            "cost_b": sum(charged(y, thinking_cost) for _, y in pairs) / n,
+            "cost_a": sum(ca) / n, "cost_b": sum(cb) / n,
             "lower_beyond_ci": diff + half < 0,
         }
     k = len(cells)

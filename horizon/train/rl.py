@@ -271,8 +271,9 @@ class RLTrainer(Trainer):
             self.next_seed += 1
             group_tier = rng.choice(rl.tiers) if rl.tier_per_group else None
             for m in range(rl.group_size):
-                tier, seed = rng.choice(rl.tiers), rng.randrange(2**31)
-                tier = group_tier if rl.tier_per_group else tier
+                tier, seed = rng.choice(rl.tiers), rng.randrange(2**31)  # drawn either way: one stream of seeds
+                if rl.tier_per_group:
+                    tier = group_tier
                 if g % self.world != self.rank:
                     continue
                 tools = task_tools(task, str(self.out))
