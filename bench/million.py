@@ -20,6 +20,8 @@ Measures, in one process, through horizon.engine.runner.ModelRunner (eager, and 
     python bench/million.py --quick            # smaller lengths (a smoke run)
     python bench/million.py --preset small --prefill-lengths 1024 --decode-lengths 1024 65536
                                                # another preset's shape (random fp32 weights): its 64K decode
+    python bench/million.py --preset small --prefill-lengths 1024 --decode-lengths 1024 65536 --interleave
+                                               # and 64K against 1K step by step, in one run
 
 Prints progress on stderr and one JSON object on the last line of stdout.
 """
@@ -52,49 +54,64 @@ def rss_mb() -> float:
     return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024
 
 
-def prefill(runner: ModelRunner, tokens: list[int], chunk: int) -> float:
-    runner.cache.reset([0])
+def prefill(runner: ModelRunner, tokens: list[int], chunk: int, slot: int = 0) -> float:
+    runner.cache.reset([slot])
     t0 = time.perf_counter()
     for s in range(0, len(tokens), chunk):
-        runner.run(StepInputs([tokens[s: s + chunk]], [s], [0]))
+        runner.run(StepInputs([tokens[s: s + chunk]], [s], [slot]))
     return time.perf_counter() - t0
 
 
-def fill_synthetic(cache: HorizonCache, length: int, gen: torch.Generator) -> None:
-    """Slot 0 holds `length` tokens of random rows (a static cache: positions are rows)."""
+def fill_synthetic(cache: HorizonCache, length: int, gen: torch.Generator, slot: int = 0) -> None:
+    """`slot` holds `length` tokens of random rows (a static cache: a slot's positions are consecutive rows)."""
+    first = slot * cache.max_blocks * cache.block_size
     for layer in cache.latent_layers():
         for t in (layer.latent, layer.index):
             if t is not None:
                 for s in range(0, length, 1 << 16):  # in slices: no full-length fp32 temporary beside the pool
                     n = min(1 << 16, length - s)
-                    t[s: s + n] = torch.randn(n, t.shape[1], generator=gen, dtype=t.dtype)
+                    t[first + s: first + s + n] = torch.randn(n, t.shape[1], generator=gen, dtype=t.dtype)
     for layer in cache.kda_layers():
-        layer.state[0] = torch.randn(layer.state.shape[1:], generator=gen) * 0.1
-    cache.lens[0] = length
+        layer.state[slot] = torch.randn(layer.state.shape[1:], generator=gen) * 0.1
+    cache.lens[slot] = length
 
 
-def step_times(runner: ModelRunner, length: int, steps: int) -> list[float]:
+def step_times(runner: ModelRunner, length: int, steps: int, slot: int = 0) -> list[float]:
     """Seconds of `steps` decode steps at a context of `length` tokens (the cache is put back after)."""
     times = []
     for i in range(steps):
         t0 = time.perf_counter()
-        runner.run(StepInputs([[1000 + i]], [length + i], [0]))
+        runner.run(StepInputs([[1000 + i]], [length + i], [slot]))
         times.append(time.perf_counter() - t0)
-    runner.cache.lens[0] = length
+    runner.cache.lens[slot] = length
     return times
 
 
-def paired_decode_ms(runner: ModelRunner, length: int, steps: int, rounds: int = 4) -> tuple[float, float]:
+def interleaved_ms(runner: ModelRunner, short: int, long: int, steps: int, rounds: int = 6) -> tuple[float, float]:
+    """(ms/token at `short` tokens in slot 0, at `long` in slot 1), alternating in `rounds` rounds: the ratio
+    of two lengths measured apart moves with the machine's drift between the runs (1.3-1.8x for the same
+    pair, measured), measured together it does not; medians."""
+    step_times(runner, short, 2, 0)
+    step_times(runner, long, 2, 1)
+    a, b = [], []
+    for _ in range(rounds):
+        a += step_times(runner, short, max(2, steps // rounds), 0)
+        b += step_times(runner, long, max(2, steps // rounds), 1)
+    return 1000 * statistics.median(a), 1000 * statistics.median(b)
+
+
+def paired_decode_ms(runner: ModelRunner, length: int, steps: int, rounds: int = 4,
+                     slot: int = 0) -> tuple[float, float]:
     """(ms/token scoring the indexer keys in place, ms/token gathering them), interleaved in `rounds` rounds
     (this machine's speed drifts between runs: interleaving keeps the two comparable); medians."""
-    step_times(runner, length, 2)  # warm (and, compiled, the first graph of each kind)
+    step_times(runner, length, 2, slot)  # warm (and, compiled, the first graph of each kind)
     with gathered_indexer():
-        step_times(runner, length, 2)
+        step_times(runner, length, 2, slot)
     kernel, gathered = [], []
     for _ in range(rounds):
-        kernel += step_times(runner, length, max(2, steps // rounds))
+        kernel += step_times(runner, length, max(2, steps // rounds), slot)
         with gathered_indexer():
-            gathered += step_times(runner, length, max(2, steps // rounds))
+            gathered += step_times(runner, length, max(2, steps // rounds), slot)
     return 1000 * statistics.median(kernel), 1000 * statistics.median(gathered)
 
 
@@ -119,6 +136,9 @@ def main() -> None:
     ap.add_argument("--decode-lengths", type=int, nargs="+", default=None)
     ap.add_argument("--steps", type=int, default=12)
     ap.add_argument("--no-compile", action="store_true", help="decode eagerly only")
+    ap.add_argument("--interleave", action="store_true",
+                    help="also time each decode length alternating with the first one (a second cache slot holds "
+                         "the first length's context): a ratio to the first length free of the machine's drift")
     ap.add_argument("--quick", action="store_true")
     ap.add_argument("--preset", default=None, help="a preset's shape with random fp32 weights (default: the bundled "
                                                    "model)")
@@ -136,7 +156,7 @@ def main() -> None:
     model.config.max_position_embeddings = MILLION  # no positional limit in the attention: only the window
     cfg = model.config
     max_len = min(MILLION, max(decode_lengths) + args.steps + 1)
-    cache = HorizonCache(cfg, 1, max_len, dtype=model.embed.weight.dtype)
+    cache = HorizonCache(cfg, 2 if args.interleave else 1, max_len, dtype=model.embed.weight.dtype)
     res = {"bench": "million", "model": source, "layers": cfg.layer_types, "index_topk": cfg.index_topk,
            "threads": args.threads, "chunk": args.chunk, "cache_max_len": max_len,
            "dsa_bytes_per_token": cache.bytes_per_token(), "kda_state_bytes": cache.state_bytes_per_slot(),
@@ -162,17 +182,28 @@ def main() -> None:
                       "quadratic_share_at_1M": b * MILLION / (a + b * MILLION)}
     compiled = None if args.no_compile else ModelRunner(model, cache, compile=True)
     longest = max(prefill_lengths)
+    first = min(decode_lengths)
+    if args.interleave:  # the first length's context stays in slot 0 for the whole run
+        if first > longest:
+            fill_synthetic(cache, first, gen, slot=0)
+        else:
+            prefill(eager, tokens[:first], args.chunk, slot=0)
     decode = []
     for L in sorted(decode_lengths):
+        slot = 1 if args.interleave else 0
         if L > longest:
-            fill_synthetic(cache, L, gen)
+            fill_synthetic(cache, L, gen, slot)
         else:
-            prefill(eager, tokens[:L], args.chunk)
+            prefill(eager, tokens[:L], args.chunk, slot)
         row = {"context": L, "cache": "synthetic" if L > longest else "prefilled"}
         for name, runner in (("eager", eager), ("compiled", compiled)):
             if runner is not None:  # compiled: one graph per kind (the context is a dynamic size)
-                ms, gathered = paired_decode_ms(runner, L, args.steps)
+                ms, gathered = paired_decode_ms(runner, L, args.steps, slot=slot)
                 row[f"{name}_ms"], row[f"{name}_gathered_ms"] = round(ms, 2), round(gathered, 2)
+                if args.interleave and L != first:
+                    short, long = interleaved_ms(runner, first, L, 2 * args.steps)
+                    row[f"{name}_interleaved_first_ms"], row[f"{name}_interleaved_ms"] = round(short, 2), round(long, 2)
+                    row[f"{name}_interleaved_vs_first"] = round(long / short, 3)
         row["peak_rss_mb"] = round(rss_mb(), 1)
         decode.append(row)
         log(f"decode at {L}: {row}")

@@ -12,6 +12,7 @@ from horizon import ModelConfig
 from horizon.engine import Engine, EngineConfig, Request, SamplingParams
 from horizon.engine.runner import ModelRunner, StepInputs
 from horizon.model import HorizonCache, HorizonForCausalLM
+from horizon.model.moe import MoE
 
 from .conftest import tiny_model
 
@@ -73,6 +74,36 @@ def test_compiled_decode_matches_eager_on_both_sides_of_topk(pair, lengths):
         assert a.shape == b.shape == (len(ps), pair[0].model.config.vocab_size)
         assert (a - b).abs().max().item() <= 1e-5 * max(1.0, b.abs().max().item())
     assert {(pair[0].bucket(len(ps)), sparse) for sparse in (False, True)} <= pair[0].graphs_seen
+
+
+def test_batched_projections_run_in_the_few_rows_kernel(pair):
+    """At bucket 4 the graph pass sends the projections to rows_matmul (bucket 1 keeps inductor's own
+    loops); the parity with eager is the test above."""
+    from horizon.quant.kernels import kernel_available
+
+    if not kernel_available():
+        pytest.skip("the CPU kernels are not built here")
+    ps = prompts(5, 6, 7)
+    prefill(pair, ps)
+    decode_both(pair, ps, 1)  # the graph exists (shared with the test above)
+    step = StepInputs([[p[-1]] for p in ps], [len(p) for p in ps], [0, 1, 2])
+    calls, forwards = {}, []
+    model = pair[0].model
+    hooks = [m.register_forward_hook(lambda *_: forwards.append(1)) for m in model.modules()
+             if isinstance(m, torch.nn.Linear)]
+    try:
+        for runner in pair:
+            with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CPU]) as prof:
+                runner.run(step)
+            calls[runner.compile] = sum(e.count for e in prof.key_averages()
+                                        if e.key == "horizon_kernels::rows_matmul")
+    finally:
+        for h in hooks:
+            h.remove()
+    routers = sum(isinstance(m, MoE) for m in model.modules())
+    assert calls[False] == 0  # eager: F.linear
+    # every nn.Linear the eager step calls (the compiled one runs no hooks), and each router's F.linear
+    assert forwards and calls[True] == len(forwards) + routers
 
 
 def test_padding_rows_leave_real_slots_alone(pair):

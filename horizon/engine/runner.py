@@ -20,6 +20,8 @@ Eager is the reference: `compile=False` (`horizon serve --enforce-eager`) runs e
 
 from __future__ import annotations
 
+import hashlib
+import inspect
 import logging
 import os
 import time
@@ -27,6 +29,8 @@ from dataclasses import dataclass
 from pathlib import Path
 
 import torch
+from torch._guards import detect_fake_mode
+from torch._inductor.custom_graph_pass import CustomGraphPass
 
 from horizon.model import Batch, HorizonCache
 from horizon.model.options import ForwardOptions
@@ -41,6 +45,58 @@ DEFAULT_BUCKETS = (1, 2, 4, 8, 16, 32, 64, 128, 256)
 MM_AS_REDUCTION = 1 << 17
 CPU_OPTIONS = {"post_grad_fusion_options": {"decompose_mm_pass": {"cpu_max_other_dimension_decomposition":
                                                                   MM_AS_REDUCTION}}}
+# Projections of batched steps (2..64 rows) whose weights are fp32 (bf16: up to 8 rows, past which
+# oneDNN's bf16 matmul is faster) go to horizon_kernels.rows_matmul: PyTorch's CPU sgemm streams a cold
+# fp32 matrix at 4-6 GB/s for 4-16 rows on 2 cores, the kernel at 10-18 (bench/rows.py).
+FEW_ROWS = {torch.float32: 64, torch.bfloat16: 8}
+
+
+class FewRowMatmuls(CustomGraphPass):
+    """Inductor post-grad pass: `x @ W.T` (mm / addmm of a weight's transpose) with a few rows on the CPU
+    becomes `rows_matmul(x, W)` (+ bias, in fp32), rounded back to x's dtype as F.linear rounds its output.
+
+    Runs after inductor's own rewrites, so one-row products (batch 1) are already its fused
+    multiply-and-sum loops and stay so."""
+
+    def __call__(self, graph: torch.fx.Graph) -> None:
+        aten = torch.ops.aten
+        for node in list(graph.nodes):
+            if node.op != "call_function" or node.target not in (aten.mm.default, aten.addmm.default):
+                continue
+            if node.target is aten.addmm.default:
+                if node.kwargs:  # beta / alpha other than 1
+                    continue
+                bias, x, wt = node.args
+            else:
+                (x, wt), bias = node.args, None
+            if not (isinstance(wt, torch.fx.Node) and wt.target is aten.permute.default
+                    and list(wt.args[1]) == [1, 0]):
+                continue
+            w = wt.args[0]
+            xv, wv = x.meta.get("val"), w.meta.get("val")
+            if xv is None or wv is None or xv.device.type != "cpu" or wv.dim() != 2 or xv.dtype != wv.dtype:
+                continue
+            rows = xv.shape[0]
+            if not isinstance(rows, int) or not 2 <= rows <= FEW_ROWS.get(xv.dtype, 0) or not wv.is_contiguous():
+                continue
+            mode = detect_fake_mode([xv, wv])
+            with graph.inserting_before(node), mode:
+                y = graph.call_function(torch.ops.horizon_kernels.rows_matmul.default, (x, w))
+                y.meta["val"] = value = torch.ops.horizon_kernels.rows_matmul.default(xv, wv)
+                if bias is not None:
+                    y = graph.call_function(aten.add.Tensor, (y, bias))
+                    y.meta["val"] = value = value + bias.meta["val"]
+                if xv.dtype != torch.float32:
+                    y = graph.call_function(torch.ops.prims.convert_element_type.default, (y, xv.dtype))
+                    y.meta["val"] = value.to(xv.dtype)
+            node.replace_all_uses_with(y)
+            graph.erase_node(node)
+
+    def uuid(self) -> str:
+        from horizon.quant.kernels import _source_hash
+
+        # the compiled graphs cached by inductor depend on this pass and on the kernel it calls
+        return hashlib.sha256(inspect.getsource(FewRowMatmuls).encode() + _source_hash().encode()).hexdigest()
 
 
 @dataclass
@@ -143,8 +199,14 @@ class ModelRunner:
 
                 # the pass reads its limit from the config when first imported: set it here too
                 decompose_mem_bound_mm.cpu_max_other_dimension_decomposition = MM_AS_REDUCTION
+            options = None
+            if mode is None:
+                from horizon.quant.kernels import kernel_available
+
+                options = dict(CPU_OPTIONS, post_grad_custom_post_pass=FewRowMatmuls()) if kernel_available() \
+                    else CPU_OPTIONS
             self._graph = torch.compile(DecodeStep(self.model, self.cache), fullgraph=True, dynamic=False, mode=mode,
-                                        options=None if mode else CPU_OPTIONS)
+                                        options=options)
         return self._graph
 
 

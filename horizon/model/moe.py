@@ -148,20 +148,40 @@ class Experts(nn.Module):
     def sync_free(self, x: torch.Tensor, weights: torch.Tensor, idx: torch.Tensor) -> torch.Tensor:
         """forward's sum with nothing read back to the host (for compiled graphs).
 
-        Few assignments (a decode step: N * k <= 2E): each (token, expert) pair as a product-and-sum
-        that indexes the expert's rows directly, which inductor fuses into one loop streaming the weights
-        (35 GB/s on 2 cores against 9 for a [1, 512] x [512, 1024] sgemv per expert, measured). It reads
-        an expert once per token routed to it, so past that size the opaque per-expert loop is cheaper.
+        Few (token, expert) pairs (N * k <= E, as in a decode step of up to E / k sequences): each pair as a
+        product-and-sum that indexes the expert's rows directly, which inductor fuses into one loop
+        streaming the weights (35 GB/s on 2 cores against 9 for a [1, 512] x [512, 1024] sgemv per
+        expert, measured; no host sync, so CUDA graphs can hold it). It reads an expert once per pair, so
+        with more pairs than experts, on the CPU with the kernels built, horizon_kernels.rows_matmul takes
+        over: it groups the pairs by expert inside and reads each routed expert once (at 16 tokens x 4 of
+        64 experts, `small` in fp32, the two took the same time: 40 experts read at ~20 GB/s against 64 at
+        ~31). Past 2E pairs without the kernel, the opaque per-expert loop (`routed_experts`).
         """
         N, k = idx.shape
         weights, idx = local_assignments(self, weights, idx)
-        if N * k > 2 * self.n_experts:
-            return routed_experts(x, weights, idx, self.gate_up_proj, self.down_proj)
         flat = idx.flatten().clamp(max=self.n_experts - 1)  # another rank's experts: any row, weight 0
         xs = x.repeat_interleave(k, dim=0)  # row t * k + j: token t for its j-th expert
-        gate, up = (xs[:, None, :] * self.gate_up_proj[flat]).sum(-1).chunk(2, dim=-1)
-        out = ((F.silu(gate) * up)[:, None, :] * self.down_proj[flat]).sum(-1)
+        if N * k > self.n_experts and _rows_kernel_takes(x, self.gate_up_proj):
+            rows_matmul = torch.ops.horizon_kernels.rows_matmul
+            # rounded to x's dtype between the matmuls, as the eager loop's F.linear rounds its output
+            gate, up = rows_matmul(xs, self.gate_up_proj, flat).to(x.dtype).chunk(2, dim=-1)
+            out = rows_matmul(F.silu(gate) * up, self.down_proj, flat).to(x.dtype)
+        elif N * k <= 2 * self.n_experts:
+            gate, up = (xs[:, None, :] * self.gate_up_proj[flat]).sum(-1).chunk(2, dim=-1)
+            out = ((F.silu(gate) * up)[:, None, :] * self.down_proj[flat]).sum(-1)
+        else:
+            return routed_experts(x, weights, idx, self.gate_up_proj, self.down_proj)
         return (out.view(N, k, -1) * weights[..., None].to(out.dtype)).sum(1)
+
+
+def _rows_kernel_takes(x: torch.Tensor, w: torch.Tensor) -> bool:
+    """Whether horizon_kernels.rows_matmul computes x against w here: on the CPU, fp32 or bf16 weights, the
+    kernel built (read, never built, inside a compiled graph: the model runner builds it first)."""
+    from horizon.quant import kernels  # here: horizon.quant's modules import this one
+
+    if x.device.type != "cpu" or w.dtype not in (torch.float32, torch.bfloat16):
+        return False
+    return kernels._built is True if torch.compiler.is_compiling() else kernels.kernel_available()
 
 
 class MoE(nn.Module):

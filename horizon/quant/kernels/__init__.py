@@ -36,14 +36,16 @@ from horizon.quant.mxfp4 import BLOCK, check_packed, dequantize
 log = logging.getLogger(__name__)
 
 SOURCE = Path(__file__).with_name("mxfp4.cpp")
-SOURCES = (SOURCE, Path(__file__).with_name("indexer.cpp"))  # one extension; indexer.cpp: horizon.model.dsa's
+# one extension: indexer.cpp is horizon.model.dsa's, rows.cpp the few-rows matmul (`rows_matmul` below)
+SOURCES = (SOURCE, Path(__file__).with_name("indexer.cpp"), Path(__file__).with_name("rows.cpp"))
+HEADERS = (Path(__file__).with_name("grouping.h"),)  # hashed with the sources: a change rebuilds
 _lock = threading.Lock()
 _built: bool | None = None  # None: not tried yet in this process
 
 
 def _source_hash() -> str:
     h = hashlib.sha256()
-    for source in SOURCES:
+    for source in SOURCES + HEADERS:
         h.update(source.read_bytes())
     return h.hexdigest()[:16]
 
@@ -91,6 +93,10 @@ def _register_fakes() -> None:
     @torch.library.register_fake("horizon_kernels::index_scores_paged")
     def _(pool, table, q, w, L, block_size, force_portable=False):
         return pool.new_empty((q.shape[0], L), dtype=torch.float32)
+
+    @torch.library.register_fake("horizon_kernels::rows_matmul")
+    def _(x, w, expert=None, force_portable=False):
+        return x.new_empty((x.shape[0], w.shape[-2]), dtype=torch.float32)
 
 
 def kernel_available() -> bool:
@@ -183,5 +189,28 @@ def mxfp4_matmul(x: torch.Tensor, blocks: torch.Tensor, scales: torch.Tensor, ex
     return mxfp4_expert_matmul_reference(x, blocks, scales, expert)
 
 
+def rows_matmul_reference(x: torch.Tensor, w: torch.Tensor, expert: torch.Tensor | None = None) -> torch.Tensor:
+    """`rows_matmul` in PyTorch: fp32 x @ W^T with W = w [N, K], or w[expert[m]] of w [E, N, K] for row m
+    (int8 weights taken raw). Reads expert ids on the host (fine for a reference and a fallback)."""
+    x = x.float()
+    if expert is None:
+        return x @ w.float().T
+    out = x.new_zeros(x.shape[0], w.shape[1])
+    for e in expert.unique().tolist():
+        rows = (expert == e).nonzero().squeeze(1)
+        out[rows] = x[rows] @ w[e].float().T
+    return out
+
+
+def rows_matmul(x: torch.Tensor, w: torch.Tensor, expert: torch.Tensor | None = None) -> torch.Tensor:
+    """fp32 [M, N] = x [M, K] @ W^T for a few rows (rows.cpp: each weight row read once per call, near memory
+    speed where PyTorch's sgemm is not); W = w [N, K] (fp32 / bf16 / int8 raw), or per row m w[expert[m]]
+    of stacked w [E, N, K]. The kernel on CPU when it is built (also inside compiled graphs: the C++ op has
+    a fake), else the reference."""
+    if x.device.type == "cpu" and kernel_available():
+        return torch.ops.horizon_kernels.rows_matmul(x, w, expert)
+    return rows_matmul_reference(x, w, expert)
+
+
 __all__ = ["cache_dir", "has_avx512", "kernel_available", "mxfp4_expert_matmul", "mxfp4_expert_matmul_reference",
-           "mxfp4_matmul"]
+           "mxfp4_matmul", "rows_matmul", "rows_matmul_reference"]

@@ -6,7 +6,7 @@
 // the result matches "dequantise to fp32, then x @ W^T" up to summation order.
 //
 // Layout choices (why):
-// - Rows of x are grouped by expert on the host (it is CPU memory), so each routed expert's weights are
+// - Rows of x are grouped by expert on the host (it is CPU memory; grouping.h), so each routed expert's weights are
 //   decoded once per call and applied to every row routed to it; experts nobody routes to are not read.
 // - Each 32-wide block of x is de-interleaved once per call into [16 even | 16 odd] elements: the low
 //   nibbles of a block's 16 bytes are then the weights of the even half and the high nibbles those of
@@ -30,6 +30,8 @@
 #include <cstdint>
 #include <cstring>
 #include <vector>
+
+#include "grouping.h"
 
 #if (defined(__GNUC__) || defined(__clang__)) && (defined(__x86_64__) || defined(__i386__))
 #define HZ_HAVE_AVX512 1
@@ -66,9 +68,7 @@ const float* scale_table() {
   return table.v;
 }
 
-struct Group {
-  int64_t expert, start, count;  // rows start..start+count of the grouped x belong to `expert`
-};
+using hz::Group;
 
 struct Problem {
   const uint8_t* blocks;   // [E, N, nb, 16]
@@ -77,7 +77,7 @@ struct Problem {
   const float* xg;         // [M, Kp]: x's rows in group order, de-interleaved per block, zero-padded
   const int64_t* row_of;   // [M]: grouped position -> row of out
   float* out;              // [M, N]
-  std::vector<Group> groups;
+  const std::vector<Group>* groups;
 
   const uint8_t* blk(int64_t e, int64_t n) const { return blocks + (e * N + n) * nb * kBlockBytes; }
   const uint8_t* scl(int64_t e, int64_t n) const { return scales + (e * N + n) * nb; }
@@ -112,7 +112,7 @@ float dot_portable(const float* a, const float* b, int64_t n) {
 
 void rows_portable(const Problem& p, int64_t n0, int64_t n1) {
   std::vector<float> w(p.Kp);
-  for (const Group& g : p.groups) {
+  for (const Group& g : *p.groups) {
     for (int64_t n = n0; n < n1; ++n) {
       decode_row_portable(p.blk(g.expert, n), p.scl(g.expert, n), p.nb, w.data());
       for (int64_t i = 0; i < g.count; ++i) {
@@ -151,6 +151,10 @@ HZ_AVX512 void fused_tile(const uint8_t* blocks, const uint8_t* scales, int64_t 
   for (int r = 0; r < R; ++r)
     for (int t = 0; t < NT; ++t) acc[r][t] = _mm512_setzero_ps();
   for (int64_t b = 0; b < nb; ++b) {
+    if ((b & 3) == 0) {  // the next tile's bytes, a cache line (4 blocks) per row at a time: see rows.cpp
+      for (int t = 0; t < NT; ++t)
+        _mm_prefetch(reinterpret_cast<const char*>(blocks + ((NT + t) * nb + b) * kBlockBytes), _MM_HINT_T0);
+    }
     for (int t = 0; t < NT; ++t) {
       __m512 lo, hi;
       decode_block(blocks + (t * nb + b) * kBlockBytes, st[scales[t * nb + b]], fp4, lo, hi);
@@ -251,7 +255,7 @@ void rows_avx512(const Problem& p, int64_t n0, int64_t n1) {
   // output rows per decoded tile: a multiple of 4 that keeps the buffer near kTileBytes
   const int64_t tile = std::max<int64_t>(4, (kTileBytes / (4 * p.Kp)) / 4 * 4);
   std::vector<float> buf;
-  for (const Group& g : p.groups) {
+  for (const Group& g : *p.groups) {
     if (g.count <= kFusedMaxRows) {
       kFused[g.count - 1](p, g, n0, n1);
     } else {
@@ -300,20 +304,10 @@ at::Tensor mxfp4_expert_matmul(const at::Tensor& x_, const at::Tensor& blocks_, 
   const at::Tensor blocks = blocks_.contiguous(), scales = scales_.contiguous();
 
   // Group rows by expert: a counting sort on the host.
-  const int64_t* ex = expert.data_ptr<int64_t>();
-  std::vector<int64_t> start(E + 1, 0);
-  for (int64_t m = 0; m < M; ++m) {
-    TORCH_CHECK(ex[m] >= 0 && ex[m] < E, "mxfp4_expert_matmul: expert[", m, "] = ", ex[m], " is not in [0, ", E,
-                ")");
-    ++start[ex[m] + 1];
-  }
+  const hz::Grouping grouping = hz::group_rows(expert.data_ptr<int64_t>(), M, E, "mxfp4_expert_matmul");
+  const std::vector<int64_t>& row_of = grouping.row_of;
   Problem p;
-  for (int64_t e = 0; e < E; ++e) {
-    if (start[e + 1]) p.groups.push_back({e, start[e], start[e + 1]});
-    start[e + 1] += start[e];
-  }
-  std::vector<int64_t> row_of(M), fill(start.begin(), start.end() - 1);
-  for (int64_t m = 0; m < M; ++m) row_of[fill[ex[m]]++] = m;
+  p.groups = &grouping.groups;
 
   // x in group order, each block de-interleaved to [even | odd], zero past column K.
   std::vector<float> xg(M * Kp);

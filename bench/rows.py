@@ -1,0 +1,129 @@
+"""The few-rows matmul kernel (horizon/quant/kernels/rows.cpp) against PyTorch's own, on cold weights.
+
+For the weight shapes of the `small` preset's decode step (a [512 -> 1024] expert gate_up, a [512 -> 512]
+projection, the [512 -> 32768] LM head) and 1-64 rows of activations (the rows a batched decode step
+multiplies), in one process, rounds interleaved, medians:
+- fp32 and bf16 weights: `rows_matmul` against `F.linear` in the weights' dtype (MKL sgemm / oneDNN);
+- int8 weights: against `aten._weight_int8pack_mm` (what horizon.quant.int8.Int8Linear calls);
+- a baseline for the physical limit: the read bandwidth of a cold fp32 reduction (`torch.sum`) measured in
+  the same run, and each call's weight bytes / time as a fraction of it.
+The weights are cycled through copies that together exceed the last-level cache, so every call reads them
+from memory, as a decode step does. `ratio` > 1: the kernel is faster.
+
+    python bench/rows.py [--threads 2] [--repeats 5] [--rows 1 2 4 8 16 64] [--quick] [--json]
+
+Prints a table (unless --json) and, on the last line, one JSON object.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import statistics
+import time
+
+import torch
+import torch.nn.functional as F
+
+from horizon.quant.kernels import kernel_available, rows_matmul
+
+SHAPES = {"expert_gate_up": (1024, 512), "projection": (512, 512), "lm_head": (32768, 512)}
+COLD_BYTES = 192 << 20  # the copies of one weight together: several times a server CPU's L3
+
+
+def timed(fn, calls: int) -> float:
+    """Microseconds per call (after two warm-up calls)."""
+    fn(), fn()
+    t0 = time.perf_counter()
+    for _ in range(calls):
+        fn()
+    return (time.perf_counter() - t0) / calls * 1e6
+
+
+def read_bandwidth(calls: int) -> float:
+    """GB/s of a cold fp32 reduction: what streaming weights from memory can reach here."""
+    copies = [torch.randn(16 << 20) for _ in range(4)]  # 4 x 64 MB
+    i = [0]
+
+    def run():
+        i[0] = (i[0] + 1) % len(copies)
+        return copies[i[0]].sum()
+
+    return copies[0].numel() * 4 / timed(run, calls) / 1e3
+
+
+def weights(dtype: torch.dtype, N: int, K: int) -> list[torch.Tensor]:
+    count = max(2, COLD_BYTES // (N * K * (1 if dtype == torch.int8 else dtype.itemsize)))
+    if dtype == torch.int8:
+        return [torch.randint(-127, 128, (N, K), dtype=torch.int8) for _ in range(count)]
+    return [torch.randn(N, K).to(dtype) for _ in range(count)]
+
+
+def cycling(fn, ws):
+    i = [0]
+
+    def run():
+        i[0] = (i[0] + 1) % len(ws)
+        return fn(ws[i[0]])
+
+    return run
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--threads", type=int, default=2)
+    ap.add_argument("--repeats", type=int, default=5)
+    ap.add_argument("--rows", type=int, nargs="+", default=[1, 2, 4, 8, 16, 64])
+    ap.add_argument("--shapes", nargs="+", default=list(SHAPES), choices=list(SHAPES))
+    ap.add_argument("--quick", action="store_true", help="one round, fewer calls, no LM head (a smoke run)")
+    ap.add_argument("--json", action="store_true", help="only the JSON line")
+    args = ap.parse_args()
+    torch.set_num_threads(args.threads)
+    if not kernel_available():
+        raise SystemExit("the CPU kernels did not build (see the warning above): nothing to measure")
+    shapes = [s for s in args.shapes if not (args.quick and s == "lm_head")]
+    repeats, calls = (1, 5) if args.quick else (args.repeats, 20)
+    res = {"bench": "rows", "threads": args.threads, "torch": torch.__version__, "repeats": repeats, "results": []}
+    bandwidths = []
+    for shape in shapes:
+        N, K = SHAPES[shape]
+        for dtype in (torch.float32, torch.bfloat16, torch.int8):
+            ws = weights(dtype, N, K)
+            ones = torch.ones(N, dtype=torch.bfloat16)
+            for M in args.rows:
+                x = torch.randn(M, K)
+                xd = x.to(torch.bfloat16 if dtype == torch.int8 else dtype)
+                ours = cycling(lambda w, x=x: rows_matmul(x, w), ws)
+                if dtype == torch.int8:
+                    theirs = cycling(lambda w, xd=xd, ones=ones: torch.ops.aten._weight_int8pack_mm(xd, w, ones), ws)
+                else:
+                    theirs = cycling(lambda w, xd=xd: F.linear(xd, w), ws)
+                a, b = [], []
+                for _ in range(repeats):  # interleaved: both see the same machine load
+                    a.append(timed(ours, calls))
+                    b.append(timed(theirs, calls))
+                    bandwidths.append(read_bandwidth(3))
+                kernel_us, baseline_us = statistics.median(a), statistics.median(b)
+                nbytes = N * K * ws[0].element_size()
+                res["results"].append({
+                    "shape": shape, "N": N, "K": K, "weights": str(dtype).removeprefix("torch."), "rows": M,
+                    "kernel_us": round(kernel_us, 1), "baseline_us": round(baseline_us, 1),
+                    "baseline": "_weight_int8pack_mm" if dtype == torch.int8 else "F.linear",
+                    "ratio": round(baseline_us / kernel_us, 3), "kernel_GBps": round(nbytes / kernel_us / 1e3, 2),
+                    "baseline_GBps": round(nbytes / baseline_us / 1e3, 2),
+                    "paired_ratios": [round(y / x, 3) for x, y in zip(a, b, strict=True)]})
+            del ws
+    res["read_GBps"] = round(statistics.median(bandwidths), 2)
+    for r in res["results"]:
+        r["kernel_fraction_of_read_bandwidth"] = round(r["kernel_GBps"] / res["read_GBps"], 3)
+    if not args.json:
+        print(f"bench/rows.py, {args.threads} threads, cold fp32 read bandwidth {res['read_GBps']} GB/s")
+        print(f"{'shape':16} {'weights':9} {'rows':>4} {'kernel us':>10} {'baseline us':>12} {'ratio':>6} {'GB/s':>6}")
+        for r in res["results"]:
+            print(f"{r['shape']:16} {r['weights']:9} {r['rows']:>4} {r['kernel_us']:>10} {r['baseline_us']:>12} "
+                  f"{r['ratio']:>6} {r['kernel_GBps']:>6}")
+    print(json.dumps(res))
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,246 @@
+// A few rows of activations against full-width weights: out[m, n] = sum_k x[m, k] * W_{expert[m]}[n, k].
+//
+// W: fp32, bf16 or int8, [E, N, K] with expert ids [M] in [0, E), or one matrix [N, K] without ids (a
+// linear layer); int8 is taken raw (the caller applies its per-row scales). x: float [M, K]. Accumulation
+// is fp32; the result is fp32 [M, N].
+//
+// Why: a batched decode step multiplies 2-64 rows by each weight matrix. PyTorch's CPU sgemm (MKL and
+// inductor's C++ GEMM template alike) streams a cold [32768, 512] fp32 matrix at ~6-9 GB/s for 16 rows on
+// this project's 2-core machine, a third of what the memory gives, and the routed experts' fallback reads
+// an expert once per token routed to it. Here each weight row is read from memory once per call and
+// applied to every row of x that needs it while it sits in L1, so the call runs near memory speed.
+//
+// Layout of the work (as mxfp4.cpp, whose row grouping this shares through grouping.h):
+// - rows of x grouped by expert on the host (a counting sort), so an expert nobody routes to is not read;
+// - parallel over output rows N (at::parallel_for), every chunk doing the same work for every expert;
+// - per group, tiles of R <= 8 rows of x against NT consecutive weight rows, R * NT accumulators in
+//   registers (enough independent FMA chains to hide their latency), the weights widened to fp32 in
+//   registers (bf16: a 16-bit shift; int8: a sign extension and a convert; both exact);
+// - AVX-512 when the CPU has it and K is a multiple of 16, else portable C++ (the same sums in another
+//   order).
+
+#include <ATen/ATen.h>
+#include <ATen/Parallel.h>
+#include <c10/util/BFloat16.h>
+#include <torch/library.h>
+
+#include <algorithm>
+#include <cstdint>
+#include <cstring>
+#include <vector>
+
+#include "grouping.h"
+
+#if (defined(__GNUC__) || defined(__clang__)) && (defined(__x86_64__) || defined(__i386__))
+#define HZ_ROWS_AVX512 1
+#include <immintrin.h>
+#define HZ_AVX512F __attribute__((target("avx512f")))
+#else
+#define HZ_ROWS_AVX512 0
+#endif
+
+namespace {
+
+constexpr int kMaxRows = 8;  // rows of x per register tile
+
+template <typename T>
+inline float widen(T v) {
+  return static_cast<float>(v);
+}
+template <>
+inline float widen<c10::BFloat16>(c10::BFloat16 v) {
+  return static_cast<float>(v);
+}
+
+template <typename T>
+struct Work {
+  const T* w;              // [E, N, K]
+  int64_t N, K;
+  const float* xg;         // [M, K], rows in group order
+  const int64_t* row_of;   // grouped position -> row of out
+  float* out;              // [M, N]
+  const std::vector<hz::Group>* groups;
+  const T* row(int64_t e, int64_t n) const { return w + (e * N + n) * K; }
+};
+
+template <typename T>
+void part_portable(const Work<T>& p, int64_t n0, int64_t n1) {
+  std::vector<float> wrow(p.K);
+  for (const hz::Group& g : *p.groups) {
+    for (int64_t n = n0; n < n1; ++n) {
+      const T* src = p.row(g.expert, n);
+      for (int64_t k = 0; k < p.K; ++k) wrow[k] = widen(src[k]);
+      for (int64_t i = 0; i < g.count; ++i) {
+        const float* x = p.xg + (g.start + i) * p.K;
+        float acc[16] = {0.0f};
+        int64_t k = 0;
+        for (; k + 16 <= p.K; k += 16)
+          for (int j = 0; j < 16; ++j) acc[j] += x[k + j] * wrow[k + j];
+        float s = 0.0f;
+        for (; k < p.K; ++k) s += x[k] * wrow[k];
+        for (int j = 0; j < 16; ++j) s += acc[j];
+        p.out[p.row_of[g.start + i] * p.N + n] = s;
+      }
+    }
+  }
+}
+
+#if HZ_ROWS_AVX512
+
+bool rows_cpu_has_avx512() {
+  static const bool has = __builtin_cpu_supports("avx512f");
+  return has;
+}
+
+// 16 consecutive weights widened to fp32.
+HZ_AVX512F inline __m512 load16(const float* p) { return _mm512_loadu_ps(p); }
+HZ_AVX512F inline __m512 load16(const c10::BFloat16* p) {
+  const __m512i h = _mm512_cvtepu16_epi32(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(p)));
+  return _mm512_castsi512_ps(_mm512_slli_epi32(h, 16));  // bf16 is the top half of an fp32
+}
+HZ_AVX512F inline __m512 load16(const int8_t* p) {
+  return _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(p))));
+}
+
+// R rows of x against NT consecutive weight rows (stride K), results into res[R][NT].
+template <typename T, int R, int NT>
+HZ_AVX512F void tile(const T* w, const float* x, int64_t K, float* res) {
+  __m512 acc[R][NT];
+  for (int r = 0; r < R; ++r)
+    for (int t = 0; t < NT; ++t) acc[r][t] = _mm512_setzero_ps();
+  for (int64_t k = 0; k < K; k += 16) {
+    __m512 wv[NT];
+    for (int t = 0; t < NT; ++t) {
+      // the next tile's rows, one cache line per row and step: with several rows of x the FMAs take long
+      // enough that the hardware prefetcher alone leaves the loads waiting on memory (measured: 7 GB/s)
+      _mm_prefetch(reinterpret_cast<const char*>(w + (NT + t) * K + k), _MM_HINT_T0);
+      wv[t] = load16(w + t * K + k);
+    }
+    for (int r = 0; r < R; ++r) {
+      const __m512 xv = _mm512_loadu_ps(x + r * K + k);
+      for (int t = 0; t < NT; ++t) acc[r][t] = _mm512_fmadd_ps(xv, wv[t], acc[r][t]);
+    }
+  }
+  for (int r = 0; r < R; ++r)
+    for (int t = 0; t < NT; ++t) res[r * NT + t] = _mm512_reduce_add_ps(acc[r][t]);
+}
+
+// Weight rows per tile for R rows of x: R * NT <= 16 accumulators, enough independent FMA chains.
+template <int R>
+constexpr int tile_rows() {
+  return R <= 2 ? 8 : R <= 4 ? 4 : 2;
+}
+
+template <typename T, int R>
+HZ_AVX512F void rows_block(const Work<T>& p, int64_t e, const float* x, const int64_t* rows, int64_t n0,
+                           int64_t n1) {
+  constexpr int NT = tile_rows<R>();
+  float res[R * NT];
+  int64_t n = n0;
+  for (; n + NT <= n1; n += NT) {
+    tile<T, R, NT>(p.row(e, n), x, p.K, res);
+    for (int r = 0; r < R; ++r)
+      for (int t = 0; t < NT; ++t) p.out[rows[r] * p.N + n + t] = res[r * NT + t];
+  }
+  for (; n < n1; ++n) {
+    tile<T, R, 1>(p.row(e, n), x, p.K, res);
+    for (int r = 0; r < R; ++r) p.out[rows[r] * p.N + n] = res[r];
+  }
+}
+
+template <typename T>
+HZ_AVX512F void part_avx512(const Work<T>& p, int64_t n0, int64_t n1) {
+  using Fn = void (*)(const Work<T>&, int64_t, const float*, const int64_t*, int64_t, int64_t);
+  static const Fn block[kMaxRows] = {rows_block<T, 1>, rows_block<T, 2>, rows_block<T, 3>, rows_block<T, 4>,
+                                     rows_block<T, 5>, rows_block<T, 6>, rows_block<T, 7>, rows_block<T, 8>};
+  // Weight rows in slices that fit L1 (32 KB of fp32) when a group has more than 8 rows of x: each slice
+  // is read from memory once and from L1 by the group's later row tiles.
+  const int64_t slice = std::max<int64_t>(8, (32 * 1024) / (p.K * static_cast<int64_t>(sizeof(float))) / 8 * 8);
+  for (const hz::Group& g : *p.groups) {
+    for (int64_t s0 = n0; s0 < n1; s0 += slice) {
+      const int64_t s1 = std::min(n1, s0 + slice);
+      for (int64_t r0 = 0; r0 < g.count; r0 += kMaxRows) {
+        const int R = static_cast<int>(std::min<int64_t>(kMaxRows, g.count - r0));
+        block[R - 1](p, g.expert, p.xg + (g.start + r0) * p.K, p.row_of + g.start + r0, s0, s1);
+      }
+    }
+  }
+}
+
+#else
+
+bool rows_cpu_has_avx512() { return false; }
+template <typename T>
+void part_avx512(const Work<T>& p, int64_t n0, int64_t n1) {
+  part_portable(p, n0, n1);
+}
+
+#endif
+
+template <typename T>
+void run(const at::Tensor& w, const at::Tensor& x, const hz::Grouping& grouping, at::Tensor& out, bool avx512) {
+  const int64_t M = x.size(0), K = x.size(1), N = w.size(1);
+  // x in group order (a copy of a few rows; it is what every weight row is multiplied with)
+  std::vector<float> xg(M * K);
+  const float* xd = x.data_ptr<float>();
+  for (int64_t i = 0; i < M; ++i) std::memcpy(xg.data() + i * K, xd + grouping.row_of[i] * K, K * sizeof(float));
+  Work<T> p{reinterpret_cast<const T*>(w.data_ptr()), N, K, xg.data(), grouping.row_of.data(),
+            out.data_ptr<float>(), &grouping.groups};
+  // grain: 16 weight rows at least, so a small matrix does not pay for waking every thread
+  at::parallel_for(0, N, 16, [&](int64_t n0, int64_t n1) {
+    if (avx512) {
+      part_avx512(p, n0, n1);
+    } else {
+      part_portable(p, n0, n1);
+    }
+  });
+}
+
+at::Tensor rows_matmul(const at::Tensor& x_, const at::Tensor& w_, const c10::optional<at::Tensor>& expert_,
+                       bool force_portable) {
+  TORCH_CHECK(x_.device().is_cpu() && w_.device().is_cpu() && (!expert_ || expert_->device().is_cpu()),
+              "rows_matmul: the kernel takes CPU tensors");
+  TORCH_CHECK(x_.dim() == 2 && at::isFloatingType(x_.scalar_type()), "rows_matmul: x must be float [M, K], got ",
+              x_.scalar_type(), " ", x_.sizes());
+  const auto wt = w_.scalar_type();
+  TORCH_CHECK((w_.dim() == 3 || w_.dim() == 2) && (wt == at::kFloat || wt == at::kBFloat16 || wt == at::kChar),
+              "rows_matmul: w must be float32, bfloat16 or int8 [N, K] or [E, N, K], got ", wt, " ", w_.sizes());
+  TORCH_CHECK((w_.dim() == 3) == expert_.has_value(),
+              "rows_matmul: expert ids go with stacked weights [E, N, K] and only with them");
+  const at::Tensor w = (w_.dim() == 2 ? w_.unsqueeze(0) : w_).contiguous();
+  const int64_t M = x_.size(0), K = x_.size(1), E = w.size(0), N = w.size(1);
+  TORCH_CHECK(w.size(2) == K, "rows_matmul: x has ", K, " columns, w ", w.size(2));
+  at::Tensor expert;
+  if (expert_) {
+    TORCH_CHECK((expert_->scalar_type() == at::kLong || expert_->scalar_type() == at::kInt) && expert_->dim() == 1 &&
+                    expert_->size(0) == M,
+                "rows_matmul: expert must be int64 (or int32) [M] with M = ", M, ", got ", expert_->scalar_type(),
+                " ", expert_->sizes());
+    expert = expert_->to(at::kLong).contiguous();
+  } else {
+    expert = at::zeros({M}, x_.options().dtype(at::kLong));
+  }
+  at::Tensor out = at::empty({M, N}, x_.options().dtype(at::kFloat));
+  if (M == 0 || N == 0) return out;
+  if (K == 0) return out.zero_();
+  const at::Tensor x = x_.to(at::kFloat).contiguous();
+  const hz::Grouping grouping = hz::group_rows(expert.data_ptr<int64_t>(), M, E, "rows_matmul");
+  const bool avx512 = !force_portable && K % 16 == 0 && rows_cpu_has_avx512();
+  if (wt == at::kFloat) {
+    run<float>(w, x, grouping, out, avx512);
+  } else if (wt == at::kBFloat16) {
+    run<c10::BFloat16>(w, x, grouping, out, avx512);
+  } else {
+    run<int8_t>(w, x, grouping, out, avx512);
+  }
+  return out;
+}
+
+}  // namespace
+
+TORCH_LIBRARY_FRAGMENT(horizon_kernels, m) {
+  m.def("rows_matmul(Tensor x, Tensor w, Tensor? expert=None, bool force_portable=False) -> Tensor");
+}
+
+// A CPU kernel (not a composite one), so torch.compile can take the fake registered in Python
+TORCH_LIBRARY_IMPL(horizon_kernels, CPU, m) { m.impl("rows_matmul", &rows_matmul); }

@@ -1,0 +1,156 @@
+"""The few-rows matmul kernel (horizon/quant/kernels/rows.cpp): it computes x @ W^T in fp32 for fp32, bf16 and
+int8 weights, one matrix or stacked experts, on both code paths (AVX-512 and portable); the compiled decode
+step's graph pass routes batched projections to it (and leaves one-row and large products alone); the dense
+experts' sync-free form built on it equals the eager dispatch."""
+
+import os
+
+import pytest
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+import horizon.quant.kernels as kernels
+from horizon.engine.runner import FewRowMatmuls
+from horizon.model.moe import Experts
+from horizon.quant.kernels import kernel_available, rows_matmul, rows_matmul_reference
+
+DISABLED = os.environ.get("HORIZON_KERNELS", "1").strip() == "0"
+pytestmark = pytest.mark.skipif(DISABLED, reason="HORIZON_KERNELS=0: the kernel is disabled")
+PATHS = [pytest.param(False, id="avx512"), pytest.param(True, id="portable")]
+DTYPES = [torch.float32, torch.bfloat16, torch.int8]
+
+
+def kernel(x, w, expert, portable):
+    """The compiled kernel itself (not the fallback): a build failure fails the test."""
+    assert kernel_available(), "the CPU kernels did not build (see the logged warning)"
+    return torch.ops.horizon_kernels.rows_matmul(x, w, expert, portable)
+
+
+def weights(shape, dtype, seed=0):
+    gen = torch.Generator().manual_seed(seed)
+    if dtype == torch.int8:
+        return torch.randint(-127, 128, shape, generator=gen, dtype=torch.int8)
+    return torch.randn(shape, generator=gen).to(dtype)
+
+
+def assert_matches(got, want):
+    """Within rtol 1e-5 and atol 1e-6 of the output's scale (the kernel sums in another order)."""
+    scale = want.abs().max().clamp_min(1e-30)
+    torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-6 * float(scale))
+
+
+@pytest.mark.parametrize("portable", PATHS)
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("M,N,K", [(1, 7, 64), (2, 300, 512), (9, 33, 48), (17, 16, 40), (64, 70, 128)])
+def test_one_matrix_equals_the_reference(portable, dtype, M, N, K):
+    # M 9 / 17 / 64: row tiles of 8 and a remainder; N 7 / 33 / 70: weight-row tails; K 40: not a multiple
+    # of 16 (the portable path whichever is asked)
+    x = torch.randn(M, K, generator=torch.Generator().manual_seed(1))
+    w = weights((N, K), dtype)
+    got = kernel(x, w, None, portable)
+    assert got.dtype == torch.float32 and got.shape == (M, N)
+    assert_matches(got, x @ w.float().T)
+    assert_matches(got, rows_matmul_reference(x, w))
+
+
+@pytest.mark.parametrize("portable", PATHS)
+@pytest.mark.parametrize("dtype", DTYPES)
+def test_stacked_experts_group_rows_by_expert(portable, dtype):
+    E, N, K, M = 6, 40, 96, 23
+    gen = torch.Generator().manual_seed(2)
+    w = weights((E, N, K), dtype)
+    x = torch.randn(M, K, generator=gen)
+    expert = torch.randint(0, E - 1, (M,), generator=gen)  # the last expert gets no rows
+    expert[:10] = 2  # one group with more rows than a register tile
+    want = torch.stack([x[m] @ w[int(e)].float().T for m, e in enumerate(expert)])
+    assert_matches(kernel(x, w, expert, portable), want)
+    assert_matches(kernel(x, w, expert.int(), portable), want)  # int32 ids too
+    assert_matches(rows_matmul_reference(x, w, expert), want)
+
+
+@pytest.mark.parametrize("portable", PATHS)
+def test_experts_never_routed_are_never_read(portable):
+    w = weights((4, 32, 64), torch.float32)
+    w[1] = float("nan")
+    w[3] = float("nan")
+    x = torch.randn(5, 64)
+    expert = torch.tensor([0, 2, 2, 0, 2])
+    got = kernel(x, w, expert, portable)
+    assert torch.isfinite(got).all()
+    assert_matches(got, rows_matmul_reference(x, w, expert))
+
+
+def test_bf16_activations_are_taken_exactly_and_empty_shapes_work():
+    x, w = torch.randn(3, 32).bfloat16(), weights((8, 32), torch.float32)
+    assert_matches(rows_matmul(x, w), x.float() @ w.T)
+    assert rows_matmul(torch.randn(0, 32), w).shape == (0, 8)
+    assert torch.equal(rows_matmul(torch.randn(2, 0), torch.randn(5, 0)), torch.zeros(2, 5))
+
+
+@pytest.mark.parametrize("args,message", [
+    ((torch.randn(2, 8), torch.randn(4, 8).half(), None), "float32, bfloat16 or int8"),
+    ((torch.randn(2, 8), torch.randn(4, 6), None), "x has 8 columns, w 6"),
+    ((torch.randn(2, 8), torch.randn(3, 4, 8), torch.tensor([0, 3])), "expert[1] = 3 is not in [0, 3)"),
+    ((torch.randn(2, 8), torch.randn(3, 4, 8), None), "expert ids go with stacked weights"),
+    ((torch.randn(2, 8), torch.randn(4, 8), torch.tensor([0, 0])), "expert ids go with stacked weights"),
+    ((torch.randn(2, 8), torch.randn(3, 4, 8), torch.tensor([0.0, 1.0])), "expert must be int64"),
+])
+def test_bad_input_is_refused_with_what_was_wrong(args, message):
+    assert kernel_available()
+    with pytest.raises(RuntimeError, match=message.replace("[", r"\[").replace(")", r"\)")):
+        torch.ops.horizon_kernels.rows_matmul(*args)
+
+
+def random_experts(dtype, E=8, d=64, f=48):
+    torch.manual_seed(0)
+    m = Experts(E, d, f)
+    with torch.no_grad():
+        m.gate_up_proj.normal_(0, 0.1)
+        m.down_proj.normal_(0, 0.1)
+    return m.to(dtype)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@torch.no_grad()
+def test_dense_experts_sync_free_equals_the_eager_dispatch(dtype, monkeypatch):
+    m = random_experts(dtype)
+    x = torch.randn(13, 64).to(dtype)
+    weights_, idx = torch.rand(13, 2), torch.stack([torch.randperm(8)[:2] for _ in range(13)])
+    want, _ = m.forward(x, weights_, idx)
+    got = m.sync_free(x, weights_, idx)  # 13 tokens: the kernel
+    tol = 1e-5 if dtype == torch.float32 else 2e-2
+    torch.testing.assert_close(got.float(), want.float(), rtol=tol, atol=tol * float(want.abs().max()))
+    monkeypatch.setattr(kernels, "_built", False)  # without the kernel: the per-expert loop
+    torch.testing.assert_close(m.sync_free(x, weights_, idx).float(), want.float(), rtol=tol,
+                               atol=tol * float(want.abs().max()))
+
+
+def compiled_calls(fn, *args) -> tuple[torch.Tensor, int]:
+    """fn compiled with the decode step's graph pass: its output and how many rows_matmul calls one run makes."""
+    compiled = torch.compile(fn, fullgraph=True, dynamic=False, options={"post_grad_custom_post_pass": FewRowMatmuls()})
+    compiled(*args)
+    with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CPU]) as prof:
+        out = compiled(*args)
+    return out, sum(e.count for e in prof.key_averages() if e.key == "horizon_kernels::rows_matmul")
+
+
+@torch.no_grad()
+def test_the_graph_pass_routes_few_row_projections_to_the_kernel():
+    assert kernel_available()
+    torch.manual_seed(0)
+    mlp = nn.Sequential(nn.Linear(64, 96), nn.SiLU(), nn.Linear(96, 32, bias=False)).eval()
+    x = torch.randn(4, 64)
+    out, calls = compiled_calls(mlp, x)
+    assert calls == 2  # both projections (the first with its bias added after)
+    assert_matches(out, mlp(x))
+    one, calls = compiled_calls(mlp, x[:1])  # one row: inductor's own multiply-and-sum loop
+    assert calls == 0
+    assert_matches(one, mlp(x[:1]))
+    half = mlp.to(torch.bfloat16)
+    xb = torch.randn(4, 64).bfloat16()
+    out, calls = compiled_calls(half, xb)  # bf16 weights, 4 rows: the kernel, rounded back to bf16
+    assert calls == 2 and out.dtype == torch.bfloat16
+    torch.testing.assert_close(out.float(), half(xb).float(), rtol=2e-2, atol=2e-2)
+    _, calls = compiled_calls(lambda a: F.linear(a, half[0].weight), torch.randn(16, 64).bfloat16())
+    assert calls == 0  # bf16 past 8 rows: oneDNN's matmul is faster there
