@@ -173,13 +173,14 @@ def build_ours(cfg: ModelConfig, dtype: str, seed: int, like: HorizonForCausalLM
     return model.eval()
 
 
-FORMATS = ("fp32", "bf16", "mxfp4", "mxfp4-int8")
+FORMATS = ("fp32", "bf16", "mxfp4", "mxfp4-bf16", "mxfp4-int8")
 
 
 def build_ours_pair(cfg: ModelConfig, args) -> dict[str, HorizonForCausalLM]:
     """{"ours_fp32", "ours_bf16"}: the preset in float32, and the same weights rounded to bfloat16; with
     --formats also "ours_mxfp4" (the fp32 model's routed experts as MXFP4, the shipped format) and
-    "ours_mxfp4_int8" (that, with every dense projection int8)."""
+    "ours_mxfp4_int8" (that, with every dense projection int8) and "ours_mxfp4_bf16" (the bf16 model's routed
+    experts as MXFP4: what quantising the `small` preset as configured, in bf16, gives)."""
     from horizon.quant import quantize_dense_int8, quantize_model
 
     formats = getattr(args, "formats", None) or (list(FORMATS) if hasattr(args, "formats") else ["fp32", "bf16"])
@@ -193,7 +194,8 @@ def build_ours_pair(cfg: ModelConfig, args) -> dict[str, HorizonForCausalLM]:
         elif name == "bf16":
             ours["ours_bf16"] = build_ours(cfg, "bfloat16", args.seed, like=fp32)
         else:
-            model = quantize_model(build_ours(cfg, "float32", args.seed, like=fp32))
+            dtype = "bfloat16" if name == "mxfp4-bf16" else "float32"
+            model = quantize_model(build_ours(cfg, dtype, args.seed, like=fp32))
             ours["ours_" + name.replace("-", "_")] = quantize_dense_int8(model) if name == "mxfp4-int8" else model
     return ours
 
@@ -382,9 +384,10 @@ ARGS: dict[str, tuple[list[str], dict, tuple | None]] = {
     "glm5_hc_mult": (["--glm5-hc-mult"], dict(type=int, default=1, help="glm5_next hyper-connection streams (real "
                                                                           "model: 4)"), None),
     "no_transformers": (["--no-transformers"], dict(action="store_true", help="only our engine"), None),
-    "formats": (["--formats"], dict(nargs="+", default=None, choices=["fp32", "bf16", "mxfp4", "mxfp4-int8"],
+    "formats": (["--formats"], dict(nargs="+", default=None, choices=list(FORMATS),
                                     help="our weight formats (default all): fp32, bf16, MXFP4 experts (rest "
-                                         "fp32), MXFP4 experts + int8 dense projections"), None),
+                                         "fp32), MXFP4 experts (rest bf16), MXFP4 experts + int8 dense "
+                                         "projections"), None),
     "enforce_eager": (["--enforce-eager"], dict(action="store_true", help="our engine without compiled decode "
                                                                            "graphs"), None),
     "dtype": (["--dtype"], dict(default=None, help="context / ttft dtype (default: the preset's)"), None),

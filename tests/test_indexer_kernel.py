@@ -34,7 +34,9 @@ def problem(B, H, d, bs, L, seed=0):
 @pytest.mark.skipif(DISABLED, reason="HORIZON_KERNELS=0: the kernel is disabled")
 @pytest.mark.parametrize("portable", PATHS)
 @pytest.mark.parametrize("B,H,d,bs,L", [(1, 8, 64, 64, 1000), (3, 8, 64, 64, 4097), (2, 64, 128, 16, 777),
-                                        (2, 5, 33, 7, 50), (2, 20, 3, 4, 1)])
+                                        (2, 5, 33, 7, 50), (2, 20, 3, 4, 1),
+                                        # eight heads in lane pairs: odd j-step and row tails; odd d falls back
+                                        (1, 8, 6, 5, 23), (2, 8, 33, 16, 100)])
 def test_the_kernel_computes_the_reference(portable, B, H, d, bs, L):
     assert kernels.kernel_available(), "the kernels did not build (see the logged warning)"
     pool, table, q, w = problem(B, H, d, bs, L)

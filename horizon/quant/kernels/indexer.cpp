@@ -85,6 +85,54 @@ HZ_AVX512 void rows_avx512(const float* keys, int64_t n, const float* qt, const 
     out[r] = _mm512_reduce_add_ps(total);
   }
 }
+// H = 8 (the small presets' indexer): eight heads fill only half of a 16-lane vector, so the lanes hold
+// (head, j parity) pairs instead: lane 2h accumulates head h over even j, lane 2h + 1 over odd j. One 8-byte
+// broadcast puts key[j], key[j + 1] in every pair of lanes, so a step of two j's is one FMA with no idle
+// lane, and two rows share each load of q (qp: [d / 2, 16], built by the caller). d must be even.
+HZ_AVX512 inline float finish_h8(__m512 acc, __m512 w_even) {
+  // lane 2h + lane 2h + 1 = head h's score; relu, weight (w_even is zero on odd lanes), sum
+  const __m512 heads = _mm512_add_ps(acc, _mm512_permute_ps(acc, 0xB1));
+  return _mm512_reduce_add_ps(_mm512_mul_ps(_mm512_max_ps(heads, _mm512_setzero_ps()), w_even));
+}
+
+HZ_AVX512 void rows_avx512_h8(const float* keys, int64_t n, const float* qp, const float* w, int64_t d,
+                              float* out) {
+  alignas(64) float we[16];
+  for (int h = 0; h < 8; ++h) {
+    we[2 * h] = w[h];
+    we[2 * h + 1] = 0.0f;
+  }
+  const __m512 w_even = _mm512_load_ps(we);
+  const int64_t steps = d / 2;
+  int64_t r = 0;
+  for (; r + 2 <= n; r += 2) {
+    const double* k0 = reinterpret_cast<const double*>(keys + r * d);
+    const double* k1 = reinterpret_cast<const double*>(keys + (r + 1) * d);
+    __m512 a0 = _mm512_setzero_ps(), a1 = _mm512_setzero_ps(), b0 = _mm512_setzero_ps(), b1 = _mm512_setzero_ps();
+    int64_t m = 0;
+    for (; m + 2 <= steps; m += 2) {
+      const __m512 q0 = _mm512_loadu_ps(qp + m * 16), q1 = _mm512_loadu_ps(qp + (m + 1) * 16);
+      a0 = _mm512_fmadd_ps(_mm512_castpd_ps(_mm512_set1_pd(k0[m])), q0, a0);
+      b0 = _mm512_fmadd_ps(_mm512_castpd_ps(_mm512_set1_pd(k1[m])), q0, b0);
+      a1 = _mm512_fmadd_ps(_mm512_castpd_ps(_mm512_set1_pd(k0[m + 1])), q1, a1);
+      b1 = _mm512_fmadd_ps(_mm512_castpd_ps(_mm512_set1_pd(k1[m + 1])), q1, b1);
+    }
+    for (; m < steps; ++m) {
+      const __m512 q0 = _mm512_loadu_ps(qp + m * 16);
+      a0 = _mm512_fmadd_ps(_mm512_castpd_ps(_mm512_set1_pd(k0[m])), q0, a0);
+      b0 = _mm512_fmadd_ps(_mm512_castpd_ps(_mm512_set1_pd(k1[m])), q0, b0);
+    }
+    out[r] = finish_h8(_mm512_add_ps(a0, a1), w_even);
+    out[r + 1] = finish_h8(_mm512_add_ps(b0, b1), w_even);
+  }
+  for (; r < n; ++r) {
+    const double* k0 = reinterpret_cast<const double*>(keys + r * d);
+    __m512 a0 = _mm512_setzero_ps();
+    for (int64_t m = 0; m < steps; ++m)
+      a0 = _mm512_fmadd_ps(_mm512_castpd_ps(_mm512_set1_pd(k0[m])), _mm512_loadu_ps(qp + m * 16), a0);
+    out[r] = finish_h8(a0, w_even);
+  }
+}
 #else
 bool cpu_has_avx512f() { return false; }
 void rows_avx512(const float* keys, int64_t n, const float* qt, const float* w, int64_t d, int64_t H,
@@ -118,6 +166,15 @@ at::Tensor index_scores_paged(const at::Tensor& pool, const at::Tensor& table, c
   float* O = out.data_ptr<float>();
   const int64_t nb_table = tc.size(1);
   const bool avx512 = !force_portable && cpu_has_avx512f();
+#ifdef HZ_X86
+  // eight heads: q in (head, j parity) lane pairs, [B, d / 2, 16] (rows_avx512_h8)
+  const bool h8 = avx512 && H == 8 && d % 2 == 0;
+  const at::Tensor qp = h8 ? q.view({B, 8, d / 2, 2}).permute({0, 2, 1, 3}).contiguous() : at::Tensor();
+  const float* QP = h8 ? qp.data_ptr<float>() : nullptr;
+#else
+  const bool h8 = false;
+  const float* QP = nullptr;
+#endif
   // a grain of ~2K rows: a short context's few blocks stay on one thread (waking a second costs more)
   const int64_t grain = std::max<int64_t>(1, 2048 / block_size);
   at::parallel_for(0, B * nblk, grain, [&](int64_t i0, int64_t i1) {
@@ -131,7 +188,9 @@ at::Tensor index_scores_paged(const at::Tensor& pool, const at::Tensor& table, c
         continue;
       }
       const float* keys = P + id * block_size * d;
-      if (avx512)
+      if (h8)
+        rows_avx512_h8(keys, n, QP + b * d * H, W + b * H, d, o);
+      else if (avx512)
         rows_avx512(keys, n, Q + b * d * H, W + b * H, d, H, o);
       else
         rows_portable(keys, n, Q + b * d * H, W + b * H, d, H, o);
