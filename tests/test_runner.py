@@ -149,3 +149,19 @@ def test_compiled_engine_generates_what_the_eager_engine_does(engines):
     assert [r.token_ids for r in compiled.generate([Request(p, params) for p in ps])] == want
     assert compiled.generate([Request(ps[1], params)])[0].token_ids == want[1]
     assert compiled.runner.graphs_seen  # the decode steps did run compiled
+
+
+def test_a_runner_makes_room_for_its_graphs_in_dynamos_limit(model, monkeypatch):
+    """Dynamo keeps `recompile_limit` graphs per code object (8 by default) and every runner compiles the
+    same DecodeStep.forward; past the limit fullgraph fails hard. Each runner adds room for its buckets,
+    so a runner still compiles when the limit alone would refuse its second graph. (Last in the module:
+    it clears dynamo's caches.)"""
+    torch._dynamo.reset()
+    monkeypatch.setattr(torch._dynamo.config, "recompile_limit", 1)
+    runner = ModelRunner(model, HorizonCache(model.config, 4, 128, dtype=torch.float32, block_size=16),
+                         compile=True, buckets=(1, 4))
+    ps = prompts(5, 6)
+    prefill((runner,), ps)
+    runner.run(StepInputs([[ps[0][-1]]], [len(ps[0])], [0]))
+    runner.run(StepInputs([[p[-1]] for p in ps], [len(p) for p in ps], [0, 1]))
+    assert runner.graphs_seen == {(1, False), (4, False)}

@@ -205,6 +205,14 @@ class ModelRunner:
 
                 options = dict(CPU_OPTIONS, post_grad_custom_post_pass=FewRowMatmuls()) if kernel_available() \
                     else CPU_OPTIONS
+            # dynamo keeps at most `recompile_limit` graphs per code object, and every runner of the process
+            # compiles the same DecodeStep.forward: room for this runner's buckets, dense and sparse (past
+            # the default 8, a ninth graph is a hard failure under fullgraph: a server under load at bucket
+            # 32 with three weight formats, or one engine whose buckets run to 256)
+            dynamo_config = torch._dynamo.config
+            dynamo_config.recompile_limit += 2 * len(self.buckets)
+            dynamo_config.accumulated_recompile_limit = max(dynamo_config.accumulated_recompile_limit,
+                                                            2 * dynamo_config.recompile_limit)
             self._graph = torch.compile(DecodeStep(self.model, self.cache), fullgraph=True, dynamic=False, mode=mode,
                                         options=options)
         return self._graph
