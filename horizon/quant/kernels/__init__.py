@@ -1,6 +1,7 @@
 """Horizon's CPU kernels, JIT-built on first use into one extension: the fused MXFP4 x activation matmul
-(`mxfp4.cpp`, its torch op here) and the lightning indexer's paged decode scores (`indexer.cpp`, called
-from horizon.model.dsa beside its reference).
+(`mxfp4.cpp`, its torch op here), the few-rows matmul of batched decode steps (`rows.cpp`: `rows_matmul`
+here, which the model runner's graph pass and the dense experts call) and the lightning indexer's paged
+decode scores (`indexer.cpp`, called from horizon.model.dsa beside its reference).
 
     out = mxfp4_expert_matmul(x, blocks, scales, expert)   # torch.ops.horizon.mxfp4_expert_matmul
     # x float [M, K]; blocks uint8 [E, N, nb, 16]; scales uint8 [E, N, nb]; expert int64 [M] in [0, E)
