@@ -11,7 +11,9 @@ decode scores (`indexer.cpp`, called from horizon.model.dsa beside its reference
 The op decodes the packed bytes in registers (AVX-512 when the CPU has it, portable C++ otherwise), so
 MXFP4 weights are never expanded to a full-precision matrix. It is one opaque `torch.library.custom_op`
 with a fake (meta) implementation: torch.compile traces through it without a graph break, and the
-grouping of rows by expert (a host-side pass over CPU memory) stays inside it.
+grouping of rows by expert (a host-side pass over CPU memory) stays inside it. The modules call it
+through `mxfp4_matmul`, which goes to the C++ op (`torch.ops.horizon_kernels.*`, a CPU kernel with its own
+fake) directly whenever it is built, in compiled graphs too: no Python wrapper per call.
 
 Building: `torch.utils.cpp_extension.load` with ninja, lazily on the first call that needs it (never at
 install time), once per process, into $HORIZON_KERNEL_CACHE or ~/.cache/horizon/kernels/<torch>-<source
@@ -95,6 +97,10 @@ def _register_fakes() -> None:
     def _(pool, table, q, w, L, block_size, force_portable=False):
         return pool.new_empty((q.shape[0], L), dtype=torch.float32)
 
+    @torch.library.register_fake("horizon_kernels::mxfp4_expert_matmul")
+    def _(x, blocks, scales, expert, force_portable=False):
+        return x.new_empty((x.shape[0], blocks.shape[1]), dtype=torch.float32)
+
     @torch.library.register_fake("horizon_kernels::rows_matmul")
     def _(x, w, expert=None, force_portable=False):
         return x.new_empty((x.shape[0], w.shape[-2]), dtype=torch.float32)
@@ -176,14 +182,42 @@ def _(x, blocks, scales, expert, force_portable=False):
     return x.new_empty((x.shape[0], blocks.shape[1]), dtype=torch.float32)
 
 
+def _setup_context(ctx, inputs, output):
+    x, blocks, scales, expert, _ = inputs
+    ctx.save_for_backward(blocks, scales, expert)
+    ctx.K, ctx.dtype = x.shape[1], x.dtype
+
+
+def _backward(ctx, grad):
+    """d out / d x: grad [M, N] @ W_{expert[m]} per row, W dequantised (the weights are frozen: no grad).
+    Training a model with MXFP4 experts (horizon train / rl from the bundled model) backpropagates
+    through them to every earlier layer."""
+    blocks, scales, expert = ctx.saved_tensors
+    gx = torch.zeros(grad.shape[0], ctx.K, dtype=torch.float32, device=grad.device)
+    for e in expert.unique().tolist():
+        rows = (expert == e).nonzero().squeeze(1)
+        gx[rows] = grad[rows].float() @ dequantize(blocks[e], scales[e], torch.float32, ctx.K)
+    return gx.to(ctx.dtype), None, None, None, None
+
+
+mxfp4_expert_matmul.register_autograd(_backward, setup_context=_setup_context)
+
+
 def mxfp4_matmul(x: torch.Tensor, blocks: torch.Tensor, scales: torch.Tensor, expert: torch.Tensor) -> torch.Tensor:
     """`mxfp4_expert_matmul` by the shortest route; what the MXFP4 modules call.
 
-    Inside a compiled graph: the custom op (one opaque node). In eager mode: the compiled kernel straight
-    through the dispatcher, since the custom op's Python wrapping costs about 15 us a call, as much as a
-    batch-1 expert GEMV itself; without the kernel, or off the CPU, the reference.
+    The compiled kernel straight through the dispatcher whenever it takes the call, in eager mode and inside
+    compiled graphs alike (one opaque node there, its fake registered with the build): the custom op's
+    Python wrapping costs 15-40 us a call, as much as a batch-1 expert GEMV itself (22 calls a step at
+    `small`). Inside a graph without the kernel (off the CPU, or not built): the custom op, which falls
+    back to the reference; eagerly, the reference. When x needs a gradient (training through frozen MXFP4
+    experts): the custom op, whose registered backward gives d/dx (the C++ op has none).
     """
+    if x.requires_grad and torch.is_grad_enabled():  # training: the custom op carries the backward
+        return mxfp4_expert_matmul(x, blocks, scales, expert)
     if torch.compiler.is_compiling():
+        if x.device.type == "cpu" and _built is True:  # read, never built, while tracing (the runner builds it)
+            return torch.ops.horizon_kernels.mxfp4_expert_matmul.default(x, blocks, scales, expert, False)
         return mxfp4_expert_matmul(x, blocks, scales, expert)
     if x.device.type == "cpu" and kernel_available():
         return torch.ops.horizon_kernels.mxfp4_expert_matmul(x, blocks, scales, expert, False)

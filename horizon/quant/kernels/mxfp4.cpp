@@ -348,10 +348,13 @@ bool has_avx512() { return cpu_has_avx512(); }
 
 }  // namespace
 
-// Its own namespace: horizon.quant.kernels wraps this in the torch.compile-visible `horizon::` op.
+// Its own namespace: horizon.quant.kernels wraps this in the `horizon::` custom op (the reference fallback
+// included); compiled graphs on a CPU with the kernel built call this one directly.
 TORCH_LIBRARY(horizon_kernels, m) {
   m.def("mxfp4_expert_matmul(Tensor x, Tensor blocks, Tensor scales, Tensor expert, bool force_portable=False) "
-        "-> Tensor",
-        &mxfp4_expert_matmul);
+        "-> Tensor");
   m.def("has_avx512() -> bool", &has_avx512);
 }
+
+// A CPU kernel (not a composite one): a compiled graph calls it directly, with the fake registered in Python
+TORCH_LIBRARY_IMPL(horizon_kernels, CPU, m) { m.impl("mxfp4_expert_matmul", &mxfp4_expert_matmul); }
