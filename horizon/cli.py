@@ -467,9 +467,12 @@ def _cmd_train(args: argparse.Namespace) -> int:
 
 
 def _train(args: argparse.Namespace, sharded: bool) -> int:
+    import random
     from pathlib import Path
 
     tiers = _train_tiers(args.tier)  # a bad tier is refused before any weights load
+    if not 0.0 <= args.brief <= 1.0:
+        raise ValueError(f"--brief is a share of the references, between 0 and 1; got {args.brief}")
 
     import torch
 
@@ -483,12 +486,14 @@ def _train(args: argparse.Namespace, sharded: bool) -> int:
     out = Path(args.out)
     resume = out / "checkpoint" / "trainer_state" / "state.json"
     sources_spec = {"domains": args.domains, "ratios": args.ratios, "per_domain": args.per_domain,
-                    "data": args.data, "tier": args.tier, "seed": args.seed}
+                    "data": args.data, "tier": args.tier, "seed": args.seed, "brief": args.brief}
     if args.resume:
         if not resume.exists():
             raise ValueError(f"--resume: {resume} does not exist (nothing to resume in {out})")
         meta = json.loads(resume.read_text())
         saved = meta.get("sources")
+        if saved is not None:
+            saved = {"brief": 0.0, **saved}  # runs from before --brief trained on full thoughts only
         if saved and args.domains is None and args.data is None:  # no data options: the run's own
             sources_spec = saved
             for key, value in saved.items():
@@ -516,6 +521,9 @@ def _train(args: argparse.Namespace, sharded: bool) -> int:
     for name in names:
         domain = get_domain(name)
         tasks = make_split(domain, "train", args.per_domain, start_seed=args.seed * 1_000_003)
+        if args.brief:  # which references go brief: a fixed draw per task, so a resumed run sees the same data
+            tasks = [(domain.brief(t) or t) if random.Random(f"brief:{t.id}").random() < args.brief else t
+                     for t in tasks]
         sources[name] = [task_example(tokenizer, model.config, t, tiers[k % len(tiers)]) for k, t in enumerate(tasks)]
     if args.data:
         sources["data"] = read_jsonl(args.data, tokenizer, model.config)
@@ -946,6 +954,9 @@ def build_parser() -> argparse.ArgumentParser:
                         "the domains' tasks under each in turn")
     p.add_argument("--thinking-budgets", default=None, metavar="LOW,HIGH,MAX",
                    help="thinking-token caps per tier written to the checkpoint's generation config")
+    p.add_argument("--brief", type=float, default=0.0, metavar="SHARE",
+                   help="share of the references of domains that offer a brief thought (passkey, recall) rendered "
+                        "with it instead of the full one: thoughts of varied length to learn from (default 0)")
     p.add_argument("--steps", type=int, default=None, help="optimiser steps (default 200; with --resume: the new end)")
     p.add_argument("--batch-size", type=int, default=8)
     p.add_argument("--max-len", type=int, default=1024)

@@ -22,7 +22,7 @@ import torch.nn.functional as F
 from horizon.chat import load_tokenizer
 from horizon.cli import main as horizon_main
 from horizon.engine import Engine, EngineConfig
-from horizon.parallel import destroy_group, init_group
+from horizon.parallel import init_group, leave_group
 from horizon.parallel.fsdp import gathered_model, shard_for_training
 from horizon.quant.layers import MXFP4Experts, quantize_model
 from horizon.tasks import make_split
@@ -304,7 +304,7 @@ def main():
     dist.all_gather_object(everyone, {"results": results, "error": error})
     if group.rank == 0:
         (root / "results.json").write_text(json.dumps({"ranks": everyone}))
-    destroy_group()
+    leave_group()  # together: a rank that closes first makes its peer's gloo threads abort at exit
 
 
 if __name__ == "__main__":

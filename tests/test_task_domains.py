@@ -1,6 +1,6 @@
-"""The arithmetic, passkey, terminal, convert and recall task domains: determinism, split disjointness, rewards,
-rendering through the chat template, tool results reproduced by re-running the target's calls, and the
-terminal domain's end-state reward."""
+"""The arithmetic, passkey, terminal, convert, recall and ordinal task domains: determinism, split disjointness,
+rewards, rendering through the chat template, tool results reproduced by re-running the target's calls, the
+terminal domain's end-state reward, and the brief references of the domains where thinking does not help."""
 
 from __future__ import annotations
 
@@ -16,6 +16,7 @@ from horizon.tasks import (
     DOMAINS,
     ArithmeticDomain,
     ConvertDomain,
+    OrdinalDomain,
     PasskeyDomain,
     RecallDomain,
     Task,
@@ -27,14 +28,16 @@ from horizon.tasks import (
 )
 from horizon.tasks.arithmetic import expression_heldout
 from horizon.tasks.convert import FIELDS, WORDS
+from horizon.tasks.ordinal import WORDS as ORDINAL_WORDS
+from horizon.tasks.ordinal import list_heldout
 from horizon.tasks.passkey import key_heldout, needle
 from horizon.tasks.recall import answer_heldout
 from horizon.tasks.terminal import VOCAB, tree_heldout
 
 N = 200
-NAMES = ("arithmetic", "passkey", "terminal", "convert", "recall")
+NAMES = ("arithmetic", "passkey", "terminal", "convert", "recall", "ordinal")
 CLASSES = {"arithmetic": ArithmeticDomain, "passkey": PasskeyDomain, "terminal": TerminalDomain,
-           "convert": ConvertDomain, "recall": RecallDomain}
+           "convert": ConvertDomain, "recall": RecallDomain, "ordinal": OrdinalDomain}
 
 
 @pytest.fixture(scope="module")
@@ -105,6 +108,7 @@ def test_splits_follow_the_documented_partitions(splits):
         assert all(key_heldout(t.meta["key"]) == held for t in splits["passkey"][split])
         assert all(tree_heldout(t.meta["tree_seed"]) == held for t in splits["terminal"][split])
         assert all(answer_heldout(t.answer) == held for t in splits["recall"][split])
+        assert all(list_heldout(t.meta["words"].split(","), t.meta["n"]) == held for t in splits["ordinal"][split])
         fields = {f for f, _ in FIELDS[split]}
         for t in splits["convert"][split]:
             assert set(t.meta["columns"]) <= fields and all(set(r) <= fields for r in t.meta["records"])
@@ -127,6 +131,9 @@ def wrong_answer(task: Task) -> str:
         return str(int(task.answer) + 1)
     if task.domain == "recall":  # one digit changed (codes may start with 0: not an integer)
         return task.answer[:-1] + str((int(task.answer[-1]) + 1) % 10)
+    if task.domain == "ordinal":  # the word before or after the asked-for one
+        words, n = task.meta["words"].split(","), task.meta["n"]
+        return words[n - 2] if n > 1 else words[n]
     if task.domain == "terminal":
         return str(task.meta["count"] + 1) if task.meta["kind"] == "count" else "src/nowhere/missing.py"
     records = [dict(r) for r in task.meta["records"]]
@@ -328,3 +335,38 @@ def test_recall_tasks_hold_their_answer(splits):
             assert f"\n{name}: {t.answer}\n" in "\n" + prompt
             assert dom.reward(t, f"The code is {t.answer}.") == 1.0
     assert kinds == {"repeat", "lookup"}
+
+
+def test_ordinal_tasks_count_aloud_to_their_answer(splits, template):
+    dom = get_domain("ordinal")
+    tokenizer = template.tokenizer
+    lengths = []
+    for t in every(splits, "ordinal"):
+        words, n = t.meta["words"].split(","), t.meta["n"]
+        assert len(set(words)) == len(words) == t.meta["items"] and 1 <= n <= len(words)
+        assert ", ".join(words) in t.messages[0]["content"] and f"number {n}" in t.messages[0]["content"]
+        assert t.answer == words[n - 1]
+        thought = t.target[-1]["reasoning_content"]
+        assert thought.startswith(f"Counting: 1 {words[0]}, ") or n == 1
+        assert f" {n} {t.answer}. Word number {n} is {t.answer}." in thought
+        assert dom.reward(t, f"{t.answer.capitalize()}.") == 1.0 and dom.reward(t, f"the {t.answer}") == 0.0
+        lengths.append((n, len(tokenizer.encode(thought))))
+    # The thought grows with n (that is what the tiers' budgets cut): about 4-5 tokens an item.
+    small = [k for n, k in lengths if n <= 10]
+    large = [k for n, k in lengths if n >= 40]
+    assert small and large and max(small) < 64 < 180 < min(large)
+    assert all(len(tokenizer.encode(" " + w)) == 1 for w in ORDINAL_WORDS)
+
+
+@pytest.mark.parametrize("name", ["passkey", "recall"])
+def test_brief_references_keep_the_answer_in_a_shorter_thought(splits, template, name):
+    dom = get_domain(name)
+    for t in every(splits, name)[:50]:
+        brief = dom.brief(t)
+        assert brief.messages == t.messages and brief.answer == t.answer and brief.meta == t.meta
+        full_thought, short = t.target[-1]["reasoning_content"], brief.target[-1]["reasoning_content"]
+        assert len(short) < len(full_thought) and brief.target[-1]["content"] == t.target[-1]["content"]
+        if name == "passkey" or t.meta["kind"] == "lookup":
+            assert t.answer in short
+        assert validate_history(brief.chat(), tier="low") == []
+    assert get_domain("arithmetic").brief(splits["arithmetic"]["train"][0]) is None

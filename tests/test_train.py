@@ -216,3 +216,29 @@ def test_train_renders_the_domains_references_under_each_listed_tier(tmp_path, m
     capsys.readouterr()
     assert main(["train", "--out", str(tmp_path / "bad"), "--domains", "recall", "--tier", "low,medium"]) == 2
     assert "--tier 'low,medium': ['medium'] not allowed" in capsys.readouterr().err
+
+
+def test_train_brief_renders_that_share_of_references_with_the_domains_brief_thought(tmp_path, monkeypatch, capsys):
+    import horizon.train
+
+    thoughts: dict[str, list[str]] = {}
+    real = horizon.train.task_example
+
+    def spy(tokenizer, cfg, task, tier="low"):
+        thoughts.setdefault(task.domain, []).append(task.target[-1]["reasoning_content"])
+        return real(tokenizer, cfg, task, tier)
+
+    monkeypatch.setattr(horizon.train, "task_example", spy)
+    args = ["train", "--domains", "recall,arithmetic", "--per-domain", "40", "--batch-size", "2", "--max-len", "64",
+            "--steps", "1", "--no-progress"]
+    assert main([*args, "--out", str(tmp_path / "half"), "--brief", "0.5"]) == 0
+    brief = [t for t in thoughts["recall"] if t == "In order." or t.startswith("It is ")]
+    assert 8 <= len(brief) <= 32  # about half, by a fixed draw per task
+    assert not any(t == "In order." or t.startswith("It is ") for t in thoughts["arithmetic"])  # none offered
+    first = list(brief)
+    thoughts.clear()
+    assert main([*args, "--out", str(tmp_path / "again"), "--brief", "0.5"]) == 0
+    assert [t for t in thoughts["recall"] if t == "In order." or t.startswith("It is ")] == first
+    capsys.readouterr()
+    assert main([*args, "--out", str(tmp_path / "bad"), "--brief", "2"]) == 2
+    assert "--brief is a share of the references, between 0 and 1; got 2.0" in capsys.readouterr().err

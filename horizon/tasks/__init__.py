@@ -9,8 +9,8 @@
     reward = get_domain(task.domain).reward(task, completion)   # in [0, 1]
 
 Files: ``base`` (Task, Domain, registry, splits, chat builders, answer parsing), one file per domain
-(``image``, ``arithmetic``, ``passkey``, ``terminal``, ``convert``, ``recall``). Adding a domain: a module with a
-``Domain`` subclass and one ``register`` line below.
+(``image``, ``arithmetic``, ``passkey``, ``terminal``, ``convert``, ``recall``, ``ordinal``). Adding a
+domain: a module with a ``Domain`` subclass and one ``register`` line below.
 """
 
 from horizon.tasks.arithmetic import ArithmeticDomain
@@ -27,6 +27,7 @@ from horizon.tasks.base import (
 )
 from horizon.tasks.convert import ConvertDomain
 from horizon.tasks.image import ImageDomain
+from horizon.tasks.ordinal import OrdinalDomain
 from horizon.tasks.passkey import PasskeyDomain
 from horizon.tasks.recall import RecallDomain
 from horizon.tasks.terminal import TerminalDomain, task_fs
@@ -39,6 +40,7 @@ register(PasskeyDomain(min_words=60, max_words=140, name="passkey-short"))
 register(TerminalDomain())
 register(ConvertDomain())
 register(RecallDomain())  # the copying curriculum the bundled model starts with
+register(OrdinalDomain())  # where a longer thought pays: counting aloud
 
 __all__ = [
     "DOMAINS",
@@ -47,6 +49,7 @@ __all__ = [
     "ConvertDomain",
     "Domain",
     "ImageDomain",
+    "OrdinalDomain",
     "PasskeyDomain",
     "RecallDomain",
     "Task",

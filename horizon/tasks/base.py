@@ -20,7 +20,7 @@ import random
 import re
 from abc import ABC, abstractmethod
 from collections.abc import Iterable, Sequence
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from typing import Any
 
 SPLITS = ("train", "heldout")
@@ -90,6 +90,20 @@ class Domain(ABC):
 
     @abstractmethod
     def key(self, task: Task) -> str: ...
+
+    def brief_reasoning(self, task: Task) -> str | None:
+        """The shortest thought that still carries the answer, for a domain where thinking does not help
+        beyond that (``horizon train --brief``: references of varied thinking length, so RL with a thinking
+        cost has shorter thoughts to choose); None where the domain has none."""
+        return None
+
+    def brief(self, task: Task) -> Task | None:
+        """``task`` with its reference's thought replaced by ``brief_reasoning`` (None where there is none)."""
+        reasoning = self.brief_reasoning(task)
+        if reasoning is None:
+            return None
+        *before, last = task.target
+        return replace(task, target=[*before, {**last, "reasoning_content": reasoning}])
 
 
 # The registry: name -> domain instance. ``horizon/tasks/__init__.py`` registers the built-in domains.

@@ -128,3 +128,6 @@ class PasskeyDomain(Domain):
 
     def key(self, task: Task) -> str:
         return f"key:{task.meta['key']}"
+
+    def brief_reasoning(self, task: Task) -> str:
+        return f"The pass key is {task.answer}."

@@ -77,3 +77,6 @@ class RecallDomain(Domain):
 
     def key(self, task: Task) -> str:
         return f"{task.meta['kind']}:{task.messages[0]['content']}"
+
+    def brief_reasoning(self, task: Task) -> str:
+        return f"It is {task.answer}." if task.meta["kind"] == "lookup" else "In order."
