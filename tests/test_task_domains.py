@@ -1,4 +1,4 @@
-"""The arithmetic, passkey, terminal, convert, recall and ordinal task domains: determinism, split disjointness,
+"""The arithmetic, passkey, terminal, convert, recall and steps task domains: determinism, split disjointness,
 rewards, rendering through the chat template, tool results reproduced by re-running the target's calls, the
 terminal domain's end-state reward, and the brief references of the domains where thinking does not help."""
 
@@ -16,9 +16,9 @@ from horizon.tasks import (
     DOMAINS,
     ArithmeticDomain,
     ConvertDomain,
-    OrdinalDomain,
     PasskeyDomain,
     RecallDomain,
+    StepsDomain,
     Task,
     TerminalDomain,
     check_disjoint,
@@ -28,16 +28,15 @@ from horizon.tasks import (
 )
 from horizon.tasks.arithmetic import expression_heldout
 from horizon.tasks.convert import FIELDS, WORDS
-from horizon.tasks.ordinal import WORDS as ORDINAL_WORDS
-from horizon.tasks.ordinal import list_heldout
 from horizon.tasks.passkey import key_heldout, needle
 from horizon.tasks.recall import answer_heldout
+from horizon.tasks.steps import steps_heldout
 from horizon.tasks.terminal import VOCAB, tree_heldout
 
 N = 200
-NAMES = ("arithmetic", "passkey", "terminal", "convert", "recall", "ordinal")
+NAMES = ("arithmetic", "passkey", "terminal", "convert", "recall", "steps")
 CLASSES = {"arithmetic": ArithmeticDomain, "passkey": PasskeyDomain, "terminal": TerminalDomain,
-           "convert": ConvertDomain, "recall": RecallDomain, "ordinal": OrdinalDomain}
+           "convert": ConvertDomain, "recall": RecallDomain, "steps": StepsDomain}
 
 
 @pytest.fixture(scope="module")
@@ -108,7 +107,8 @@ def test_splits_follow_the_documented_partitions(splits):
         assert all(key_heldout(t.meta["key"]) == held for t in splits["passkey"][split])
         assert all(tree_heldout(t.meta["tree_seed"]) == held for t in splits["terminal"][split])
         assert all(answer_heldout(t.answer) == held for t in splits["recall"][split])
-        assert all(list_heldout(t.meta["words"].split(","), t.meta["n"]) == held for t in splits["ordinal"][split])
+        assert all(steps_heldout(t.meta["start"], t.meta["stride"], t.meta["steps"]) == held
+                   for t in splits["steps"][split])
         fields = {f for f, _ in FIELDS[split]}
         for t in splits["convert"][split]:
             assert set(t.meta["columns"]) <= fields and all(set(r) <= fields for r in t.meta["records"])
@@ -127,13 +127,10 @@ def test_splits_follow_the_documented_partitions(splits):
 
 
 def wrong_answer(task: Task) -> str:
-    if task.domain in ("arithmetic", "passkey"):
+    if task.domain in ("arithmetic", "passkey", "steps"):
         return str(int(task.answer) + 1)
     if task.domain == "recall":  # one digit changed (codes may start with 0: not an integer)
         return task.answer[:-1] + str((int(task.answer[-1]) + 1) % 10)
-    if task.domain == "ordinal":  # the word before or after the asked-for one
-        words, n = task.meta["words"].split(","), task.meta["n"]
-        return words[n - 2] if n > 1 else words[n]
     if task.domain == "terminal":
         return str(task.meta["count"] + 1) if task.meta["kind"] == "count" else "src/nowhere/missing.py"
     records = [dict(r) for r in task.meta["records"]]
@@ -337,25 +334,19 @@ def test_recall_tasks_hold_their_answer(splits):
     assert kinds == {"repeat", "lookup"}
 
 
-def test_ordinal_tasks_count_aloud_to_their_answer(splits, template):
-    dom = get_domain("ordinal")
-    tokenizer = template.tokenizer
+def test_steps_thoughts_write_every_intermediate_result(splits, template):
     lengths = []
-    for t in every(splits, "ordinal"):
-        words, n = t.meta["words"].split(","), t.meta["n"]
-        assert len(set(words)) == len(words) == t.meta["items"] and 1 <= n <= len(words)
-        assert ", ".join(words) in t.messages[0]["content"] and f"number {n}" in t.messages[0]["content"]
-        assert t.answer == words[n - 1]
+    for t in every(splits, "steps"):
+        a, s, k = t.meta["start"], t.meta["stride"], t.meta["steps"]
+        assert f"{a}" in t.messages[0]["content"] and f"add {s}" in t.messages[0]["content"].lower()
+        assert f" {k} times" in t.messages[0]["content"] and int(t.answer) == a + k * s
         thought = t.target[-1]["reasoning_content"]
-        assert thought.startswith(f"Counting: 1 {words[0]}, ") or n == 1
-        assert f" {n} {t.answer}. Word number {n} is {t.answer}." in thought
-        assert dom.reward(t, f"{t.answer.capitalize()}.") == 1.0 and dom.reward(t, f"the {t.answer}") == 0.0
-        lengths.append((n, len(tokenizer.encode(thought))))
-    # The thought grows with n (that is what the tiers' budgets cut): about 4-5 tokens an item.
-    small = [k for n, k in lengths if n <= 10]
-    large = [k for n, k in lengths if n >= 40]
-    assert small and large and max(small) < 64 < 180 < min(large)
-    assert all(len(tokenizer.encode(" " + w)) == 1 for w in ORDINAL_WORDS)
+        assert thought.startswith(f"From {a}, add {s}, {k} times: ")
+        walked = [(int(v), int(left)) for v, left in re.findall(r"(\d+) \((\d+) left\)", thought)]
+        assert walked == [(a + i * s, k - i) for i in range(1, k + 1)] and thought.endswith(f"result is {t.answer}.")
+        lengths.append((k, len(template.tokenizer.encode(thought))))
+    # The thought grows with k (what the tiers' budgets cut): about 11 tokens a step.
+    assert max(n for k, n in lengths if k <= 8) < 128 < 256 < 350 < min(n for k, n in lengths if k >= 34)
 
 
 @pytest.mark.parametrize("name", ["passkey", "recall"])

@@ -9,7 +9,7 @@
     reward = get_domain(task.domain).reward(task, completion)   # in [0, 1]
 
 Files: ``base`` (Task, Domain, registry, splits, chat builders, answer parsing), one file per domain
-(``image``, ``arithmetic``, ``passkey``, ``terminal``, ``convert``, ``recall``, ``ordinal``). Adding a
+(``image``, ``arithmetic``, ``passkey``, ``terminal``, ``convert``, ``recall``, ``steps``). Adding a
 domain: a module with a ``Domain`` subclass and one ``register`` line below.
 """
 
@@ -27,9 +27,9 @@ from horizon.tasks.base import (
 )
 from horizon.tasks.convert import ConvertDomain
 from horizon.tasks.image import ImageDomain
-from horizon.tasks.ordinal import OrdinalDomain
 from horizon.tasks.passkey import PasskeyDomain
 from horizon.tasks.recall import RecallDomain
+from horizon.tasks.steps import StepsDomain
 from horizon.tasks.terminal import TerminalDomain, task_fs
 
 register(ImageDomain())
@@ -40,7 +40,7 @@ register(PasskeyDomain(min_words=60, max_words=140, name="passkey-short"))
 register(TerminalDomain())
 register(ConvertDomain())
 register(RecallDomain())  # the copying curriculum the bundled model starts with
-register(OrdinalDomain())  # where a longer thought pays: counting aloud
+register(StepsDomain())  # where a longer thought pays: every intermediate result written down
 
 __all__ = [
     "DOMAINS",
@@ -49,9 +49,9 @@ __all__ = [
     "ConvertDomain",
     "Domain",
     "ImageDomain",
-    "OrdinalDomain",
     "PasskeyDomain",
     "RecallDomain",
+    "StepsDomain",
     "Task",
     "TerminalDomain",
     "check_disjoint",
