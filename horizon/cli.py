@@ -722,7 +722,16 @@ def _cmd_compare(args: argparse.Namespace) -> int:
 
     if not args.thinking_cost >= 0:
         raise ValueError(f"--thinking-cost {args.thinking_cost}: allowed a number >= 0")
-    res = compare(read_records(args.a), read_records(args.b), thinking_cost=args.thinking_cost)
+    a, b = read_records(args.a), read_records(args.b)
+    if args.domains:  # models evaluated on different domain sets compare on the ones named
+        names = [d for d in args.domains.split(",") if d]
+        for path, records in ((args.a, a), (args.b, b)):
+            missing = sorted(set(names) - {r["domain"] for r in records})
+            if missing:
+                raise ValueError(f"--domains: {path} has no records of {missing}; it has "
+                                 f"{sorted({r['domain'] for r in records})}")
+        a, b = ([r for r in records if r["domain"] in names] for records in (a, b))
+    res = compare(a, b, thinking_cost=args.thinking_cost)
     if args.json:
         print(json.dumps(res))
         return 0
@@ -1050,6 +1059,8 @@ def build_parser() -> argparse.ArgumentParser:
                    help="charge each record this much per whole thinking budget of its tier, in standard "
                         "deviations of its domain's reward (horizon rl's --thinking-cost): the normalised "
                         "difference is then of reward net of thinking")
+    p.add_argument("--domains", default=None,
+                   help="compare only these comma-separated domains (both record sets must hold them)")
     p.add_argument("--json", action="store_true")
     p.set_defaults(func=_cmd_compare)
     return parser

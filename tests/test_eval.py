@@ -198,6 +198,17 @@ def test_compare_refuses_records_of_different_tasks(tmp_path, capsys):
     assert "arithmetic" in out and "+0.333" in out and "mean normalised reward" in out
     assert main(["compare", str(pa), str(bad)]) == 2
     assert "bad.jsonl:1: an eval record needs domain, id and reward" in capsys.readouterr().err
+    # Models evaluated on different domain sets compare on the domains named in both.
+    pc = tmp_path / "c.jsonl"
+    pc.write_text("".join(json.dumps(r) + "\n" for r in [*_records("arithmetic", [0.0, 0.0, 1.0]),
+                                                          *_records("recall", [1.0])]))
+    assert main(["compare", str(pa), str(pc)]) == 2
+    assert "different domains" in capsys.readouterr().err
+    assert main(["compare", str(pa), str(pc), "--domains", "arithmetic"]) == 0
+    out = capsys.readouterr().out
+    assert "+0.333" in out and "recall" not in out
+    assert main(["compare", str(pa), str(pc), "--domains", "arithmetic,recall"]) == 2
+    assert "a.jsonl has no records of ['recall']" in capsys.readouterr().err
 
 
 def test_the_dsa_selection_is_an_engine_setting_that_reaches_every_forward(monkeypatch):
