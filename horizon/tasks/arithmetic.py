@@ -34,7 +34,7 @@ import zlib
 from collections.abc import Callable
 
 from horizon.agent.calculator import Calculator
-from horizon.tasks.base import Domain, Task, assistant_message, first_int, tool_call, tool_message
+from horizon.tasks.base import Domain, Task, assistant_message, int_reward, tool_call, tool_message
 
 HELDOUT_MOD = 5
 CALL_ID = "call_1"
@@ -193,8 +193,7 @@ class ArithmeticDomain(Domain):
                          {"kind": kind, "shape": shape, "expression": expression, "value": value})
 
     def reward(self, task: Task, completion: str) -> float:
-        got = first_int(completion.replace("\u2212", "-"))
-        return 1.0 if got is not None and str(got) == task.answer else 0.0
+        return int_reward(task, completion.replace("\u2212", "-"))
 
     def key(self, task: Task) -> str:
         return f"expr:{task.meta['expression']}"

@@ -214,3 +214,10 @@ def first_int(text: str) -> int | None:
         return None
     value = int(whole.replace(",", ""))
     return -value if sign == "-" else value
+
+
+def int_reward(task: Task, completion: str) -> float:
+    """The reward of domains whose answer is one integer: 1.0 if the completion's first integer
+    (``first_int``) is the task's answer, else 0.0."""
+    got = first_int(completion)
+    return 1.0 if got is not None and str(got) == task.answer else 0.0

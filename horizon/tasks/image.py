@@ -37,7 +37,7 @@ from typing import Any
 
 from PIL import Image, ImageChops, ImageDraw
 
-from horizon.tasks.base import Domain, Task, assistant_message, first_int
+from horizon.tasks.base import Domain, Task, assistant_message, int_reward
 
 MIN_SIDE, MAX_SIDE = 64, 256
 CROWDED = 6  # count scenes with more shapes than this get at least CROWDED_MIN_SIDE px per side
@@ -301,8 +301,7 @@ class ImageDomain(Domain):
         return self._task(seed, split, img, question, count, reasoning, meta)
 
     def reward(self, task: Task, completion: str) -> float:
-        got = first_int(completion)
-        return 1.0 if got is not None and str(got) == task.answer else 0.0
+        return int_reward(task, completion)
 
     def key(self, task: Task) -> str:
         m = task.meta

@@ -24,7 +24,7 @@ from __future__ import annotations
 
 import random
 
-from horizon.tasks.base import Domain, Task, assistant_message, first_int
+from horizon.tasks.base import Domain, Task, assistant_message, int_reward
 
 HELDOUT_MOD = 7
 KEY_MIN, KEY_MAX = 10_000, 99_999
@@ -123,8 +123,7 @@ class PasskeyDomain(Domain):
                   "depth": round(depth, 4)})
 
     def reward(self, task: Task, completion: str) -> float:
-        got = first_int(completion)
-        return 1.0 if got is not None and str(got) == task.answer else 0.0
+        return int_reward(task, completion)
 
     def key(self, task: Task) -> str:
         return f"key:{task.meta['key']}"

@@ -23,7 +23,7 @@ from __future__ import annotations
 
 import zlib
 
-from horizon.tasks.base import Domain, Task, assistant_message, first_int
+from horizon.tasks.base import Domain, Task, assistant_message, int_reward
 
 HELDOUT_MOD = 5
 MAX_START, STRIDES, MIN_STEPS, MAX_STEPS = 99, (2, 9), 2, 40
@@ -54,8 +54,7 @@ class StepsDomain(Domain):
                          {"start": a, "stride": s, "steps": k})
 
     def reward(self, task: Task, completion: str) -> float:
-        got = first_int(completion)
-        return 1.0 if got is not None and str(got) == task.answer else 0.0
+        return int_reward(task, completion)
 
     def key(self, task: Task) -> str:
         return f"steps:{task.meta['start']},{task.meta['stride']},{task.meta['steps']}"
