@@ -726,10 +726,9 @@ def _cmd_compare(args: argparse.Namespace) -> int:
     if args.domains:  # models evaluated on different domain sets compare on the ones named
         names = [d for d in args.domains.split(",") if d]
         for path, records in ((args.a, a), (args.b, b)):
-            missing = sorted(set(names) - {r["domain"] for r in records})
-            if missing:
-                raise ValueError(f"--domains: {path} has no records of {missing}; it has "
-                                 f"{sorted({r['domain'] for r in records})}")
+            have = {r["domain"] for r in records}
+            if missing := sorted(set(names) - have):
+                raise ValueError(f"--domains: {path} has no records of {missing}; it has {sorted(have)}")
         a, b = ([r for r in records if r["domain"] in names] for records in (a, b))
     res = compare(a, b, thinking_cost=args.thinking_cost)
     if args.json:
