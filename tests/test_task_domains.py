@@ -361,3 +361,23 @@ def test_brief_references_keep_the_answer_in_a_shorter_thought(splits, template,
             assert t.answer in short
         assert validate_history(brief.chat(), tier="low") == []
     assert get_domain("arithmetic").brief(splits["arithmetic"]["train"][0]) is None
+
+
+def test_recall_reference_thought_is_long_and_true(splits, template):
+    # The thought a thinking cost should learn to drop: several times the brief one, and every fact it states holds.
+    full, brief = [], []
+    for t in every(splits, "recall")[:100]:
+        thought = t.target[-1]["reasoning_content"]
+        if t.meta["kind"] == "repeat":
+            codes = t.answer.split()
+            lengths = ", ".join(str(len(c)) for c in codes)
+            assert f"repeat {len(codes)} codes" in thought and f"They have {lengths} digits" in thought
+        else:
+            lines = t.messages[0]["content"].split("\n")[:-1]
+            pick = next(i for i, line in enumerate(lines) if line.endswith(f": {t.answer}"))
+            name = lines[pick].split(":")[0]
+            assert f"line {pick + 1} is the one, \"{name}: {t.answer}\"" in thought and thought.endswith(f"{t.answer}.")
+            assert all(line.split(":")[0] in thought for line in lines[:pick])
+        full.append(len(template.tokenizer.encode(thought)))
+        brief.append(len(template.tokenizer.encode(get_domain("recall").brief_reasoning(t))))
+    assert sum(full) > 5 * sum(brief)

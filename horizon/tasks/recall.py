@@ -9,7 +9,10 @@ Two kinds, chosen by the seed's random stream:
   * repeat: "Repeat these codes exactly: 4821 90 377 ..." -> the same codes (2-8 groups of 2-6 digits);
   * lookup: a list of "name: code" lines, then "What is the code of <name>?" -> that code (3-12 lines;
     names are drawn from a word list, so the model must find the line by its name, wherever it is).
-No tools. Brief thinking (the lookup's quotes the line it found), then the answer as the whole content.
+No tools. The reference thought is long and adds nothing the answer needs (about 80 tokens: the repeat's restates
+the rules and each code's length, the lookup's names the lines it reads past before quoting the one it wants), so
+that RL with a thinking cost has something to drop; ``brief_reasoning`` is the 3-8 token version. Then the answer
+as the whole content.
 
 Split rule (the held-out value space, never drawn for train): a task is held out when the CRC-32 of its
 answer is a multiple of 5. Seeds are disjoint as in every domain (``Domain.rng``).
@@ -54,7 +57,11 @@ class RecallDomain(Domain):
                 kind = "repeat"
                 answer = " ".join(_code(rng, 2, 6) for _ in range(rng.randint(2, 8)))
                 prompt = f"Repeat these codes exactly: {answer}"
-                reasoning = f"There are {answer.count(' ') + 1} codes; I repeat them in order."
+                codes = answer.split()
+                lengths = ", ".join(str(len(c)) for c in codes)
+                reasoning = (f"I must repeat {len(codes)} codes exactly, in the order given, separated by single "
+                             f"spaces and with nothing added. They have {lengths} digits. "
+                             "Copying them as they are, I write them out in order.")
             else:
                 kind = "lookup"
                 names = rng.sample(NAMES, rng.randint(3, 12))
@@ -63,7 +70,10 @@ class RecallDomain(Domain):
                 answer = codes[pick]
                 lines = "\n".join(f"{n}: {c}" for n, c in zip(names, codes, strict=True))
                 prompt = f"{lines}\nWhat is the code of {names[pick]}?"
-                reasoning = f"The line for {names[pick]} reads {names[pick]}: {answer}."
+                before = f"{', '.join(names[:pick])} come before it; " if pick else ""
+                reasoning = (f"I need the code of {names[pick]}. The list has {len(names)} lines, and I read down it: "
+                             f'{before}line {pick + 1} is the one, "{names[pick]}: {answer}". Nothing else matters, '
+                             f"so the code of {names[pick]} is {answer}.")
             if answer_heldout(answer) == heldout:
                 break
         return self.task(seed, split, prompt, answer, [assistant_message(answer, reasoning)], {"kind": kind})
