@@ -9,10 +9,10 @@ Two kinds, chosen by the seed's random stream:
   * repeat: "Repeat these codes exactly: 4821 90 377 ..." -> the same codes (2-8 groups of 2-6 digits);
   * lookup: a list of "name: code" lines, then "What is the code of <name>?" -> that code (3-12 lines;
     names are drawn from a word list, so the model must find the line by its name, wherever it is).
-No tools. The reference thought is long and adds nothing the answer needs (about 80 tokens: the repeat's restates
-the rules and each code's length, the lookup's names the lines it reads past before quoting the one it wants), so
-that RL with a thinking cost has something to drop; ``brief_reasoning`` is the 3-8 token version. Then the answer
-as the whole content.
+No tools. The reference thought is long and meant to add nothing the answer needs (about 80 tokens: the
+repeat's restates the rules and each code's length, the lookup's names the lines it reads past before quoting
+the one it wants), so that RL with a thinking cost has something to drop; ``brief_reasoning`` is the 3-8 token
+version. Then the answer as the whole content.
 
 Split rule (the held-out value space, never drawn for train): a task is held out when the CRC-32 of its
 answer is a multiple of 5. Seeds are disjoint as in every domain (``Domain.rng``).
