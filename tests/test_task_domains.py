@@ -365,7 +365,7 @@ def test_brief_references_keep_the_answer_in_a_shorter_thought(splits, template,
 
 def test_recall_reference_thought_is_long_and_true(splits, template):
     # The thought a thinking cost should learn to drop: several times the brief one, and every fact it states holds.
-    full, brief = [], []
+    recall, full, brief = get_domain("recall"), [], []
     for t in every(splits, "recall")[:100]:
         thought = t.target[-1]["reasoning_content"]
         if t.meta["kind"] == "repeat":
@@ -379,5 +379,5 @@ def test_recall_reference_thought_is_long_and_true(splits, template):
             assert f"line {pick + 1} is the one, \"{name}: {t.answer}\"" in thought and thought.endswith(f"{t.answer}.")
             assert all(line.split(":")[0] in thought for line in lines[:pick])
         full.append(len(template.tokenizer.encode(thought)))
-        brief.append(len(template.tokenizer.encode(get_domain("recall").brief_reasoning(t))))
+        brief.append(len(template.tokenizer.encode(recall.brief_reasoning(t))))
     assert sum(full) > 5 * sum(brief)

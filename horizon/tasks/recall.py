@@ -67,13 +67,13 @@ class RecallDomain(Domain):
                 names = rng.sample(NAMES, rng.randint(3, 12))
                 codes = [_code(rng, 3, 6) for _ in names]
                 pick = rng.randrange(len(names))
-                answer = codes[pick]
+                name, answer = names[pick], codes[pick]
                 lines = "\n".join(f"{n}: {c}" for n, c in zip(names, codes, strict=True))
-                prompt = f"{lines}\nWhat is the code of {names[pick]}?"
+                prompt = f"{lines}\nWhat is the code of {name}?"
                 before = f"{', '.join(names[:pick])} come before it; " if pick else ""
-                reasoning = (f"I need the code of {names[pick]}. The list has {len(names)} lines, and I read down it: "
-                             f'{before}line {pick + 1} is the one, "{names[pick]}: {answer}". Nothing else matters, '
-                             f"so the code of {names[pick]} is {answer}.")
+                reasoning = (f"I need the code of {name}. The list has {len(names)} lines, and I read down it: "
+                             f'{before}line {pick + 1} is the one, "{name}: {answer}". Nothing else matters, '
+                             f"so the code of {name} is {answer}.")
             if answer_heldout(answer) == heldout:
                 break
         return self.task(seed, split, prompt, answer, [assistant_message(answer, reasoning)], {"kind": kind})
