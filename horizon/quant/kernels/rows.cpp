@@ -13,7 +13,7 @@
 // Layout of the work (as mxfp4.cpp, whose row grouping this shares through grouping.h):
 // - rows of x grouped by expert on the host (a counting sort), so an expert nobody routes to is not read;
 // - parallel over output rows N (at::parallel_for), every chunk doing the same work for every expert;
-// - per group, tiles of R <= 8 rows of x against NT consecutive weight rows, R * NT accumulators in
+// - per group, tiles of R <= 4 rows of x against NT consecutive weight rows, R * NT accumulators in
 //   registers (enough independent FMA chains to hide their latency), the weights widened to fp32 in
 //   registers (bf16: a 16-bit shift; int8: a sign extension and a convert; both exact);
 // - AVX-512 when the CPU has it and K is a multiple of 16, else portable C++ (the same sums in another
@@ -41,7 +41,10 @@
 
 namespace {
 
-constexpr int kMaxRows = 8;  // rows of x per register tile
+// rows of x per register tile: 4 rows x 6 weight rows (24 accumulators) ran 55-60 GFMA/s on 16 rows of
+// cold fp32 weights here (K = 512), where 8 x 2 ran 48-50, and at K = 2048 45 against 31 (8 rows of x
+// no longer fit L1 beside the weights); groups of more rows take several passes over an L1 slice
+constexpr int kMaxRows = 4;
 
 template <typename T>
 inline float widen(T v) {
@@ -125,10 +128,11 @@ HZ_AVX512F void tile(const T* w, const float* x, int64_t K, float* res) {
     for (int t = 0; t < NT; ++t) res[r * NT + t] = _mm512_reduce_add_ps(acc[r][t]);
 }
 
-// Weight rows per tile for R rows of x: R * NT <= 16 accumulators, enough independent FMA chains.
+// Weight rows per tile for R rows of x: R * NT <= 24 accumulators (of 32 registers), enough independent
+// FMA chains, and loads (R + NT per step) well under the R * NT FMAs.
 template <int R>
 constexpr int tile_rows() {
-  return R <= 2 ? 8 : R <= 4 ? 4 : 2;
+  return R <= 2 ? 8 : 6;
 }
 
 template <typename T, int R>
@@ -151,12 +155,14 @@ HZ_AVX512F void rows_block(const Work<T>& p, int64_t e, const float* x, const in
 template <typename T>
 HZ_AVX512F void part_avx512(const Work<T>& p, int64_t n0, int64_t n1) {
   using Fn = void (*)(const Work<T>&, int64_t, const float*, const int64_t*, int64_t, int64_t);
-  static const Fn block[kMaxRows] = {rows_block<T, 1>, rows_block<T, 2>, rows_block<T, 3>, rows_block<T, 4>,
-                                     rows_block<T, 5>, rows_block<T, 6>, rows_block<T, 7>, rows_block<T, 8>};
-  // Weight rows in slices that fit L1 (32 KB of fp32) when a group has more than 8 rows of x: each slice
-  // is read from memory once and from L1 by the group's later row tiles.
-  const int64_t slice = std::max<int64_t>(8, (32 * 1024) / (p.K * static_cast<int64_t>(sizeof(float))) / 8 * 8);
+  static const Fn block[kMaxRows] = {rows_block<T, 1>, rows_block<T, 2>, rows_block<T, 3>, rows_block<T, 4>};
+  const int64_t row_bytes = p.K * static_cast<int64_t>(sizeof(float));
   for (const hz::Group& g : *p.groups) {
+    // More than kMaxRows rows of x: weight rows in slices of about L1's 32 KB (of fp32), each read from
+    // memory once and from L1 by the group's later row tiles; a whole number of tiles (6 weight rows, 8
+    // for a last pass of one row of x), so no slice ends in single-row tiles. One pass: no slices.
+    const int64_t unit = g.count % kMaxRows == 1 ? 24 : 6;
+    const int64_t slice = g.count <= kMaxRows ? n1 - n0 : std::max(unit, (32 * 1024) / row_bytes / unit * unit);
     for (int64_t s0 = n0; s0 < n1; s0 += slice) {
       const int64_t s1 = std::min(n1, s0 + slice);
       for (int64_t r0 = 0; r0 < g.count; r0 += kMaxRows) {
