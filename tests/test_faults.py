@@ -309,8 +309,12 @@ def test_the_sampler_keeps_any_temperature_finite():
     g = torch.Generator().manual_seed(0)
     for t in (1e-40, 1e-20, 1e-6):
         assert sample(logits, SamplingParams(temperature=t), [], g) == 0  # as greedy
-    with pytest.raises(NothingToSample):
-        sample(logits, SamplingParams(logit_bias={i: -100 for i in range(4)}), [], g)
+    for finite in (False, True):  # the engine passes finite=True: bans must still be caught
+        with pytest.raises(NothingToSample):
+            sample(logits, SamplingParams(logit_bias={i: -100 for i in range(4)}), [], g, finite=finite)
+        with pytest.raises(NothingToSample):
+            sample(logits, SamplingParams(), [], g, torch.zeros(4, dtype=torch.bool), finite=finite)
+        assert sample(logits, SamplingParams(temperature=0), [], g, finite=finite) == 0
 
 
 # --- SIGTERM: drain, then a proper ending for every stream (the process itself: tests/test_serve_process.py) ---

@@ -423,7 +423,8 @@ class Engine:
         if problem:
             return Outcome(reason="error", error=problem)
         try:
-            token = forced if forced is not None else sample(row, seq.params, seq.generated, seq.generator, allowed)
+            token = forced if forced is not None else sample(row, seq.params, seq.generated, seq.generator, allowed,
+                                                               finite=True)
         except NothingToSample as e:
             return Outcome(reason="error", error=str(e), error_kind="invalid_request")
         lp, top = logprobs(row, token, seq.params.logprobs) if seq.params.logprobs is not None else (None, None)
