@@ -18,10 +18,20 @@ class NothingToSample(ValueError):
     """The request's own bans, biases and grammar left no token with a finite logit."""
 
 
+def plain_greedy(params: SamplingParams) -> bool:
+    """Whether sample() would return the row's plain argmax (no grammar mask given): temperature 0 and
+    nothing that adjust_logits changes. The engine takes these rows' tokens from one batched argmax."""
+    return params.temperature == 0 and not _adjusts(params)
+
+
+def _adjusts(params: SamplingParams) -> bool:
+    return bool(params.logit_bias or params.presence_penalty or params.frequency_penalty or params.banned_token_ids)
+
+
 def adjust_logits(logits: torch.Tensor, params: SamplingParams, generated: list[int]) -> torch.Tensor:
     """logit_bias (-100: banned, whatever the logit), OpenAI's presence / frequency penalties over the
     tokens generated so far, then the banned tokens."""
-    if not (params.logit_bias or params.presence_penalty or params.frequency_penalty or params.banned_token_ids):
+    if not _adjusts(params):
         return logits
     logits = logits.clone()
     if params.logit_bias:
