@@ -46,8 +46,8 @@ def assert_matches(got, want):
                                    (6, 50, 2048)])
 def test_one_matrix_equals_the_reference(portable, dtype, M, N, K):
     # M 5 / 6 / 9 / 17 / 64: row tiles of 4 and a remainder, over weight slices of 24 rows (a last pass of one
-    # row) or 6; N 7 / 33 / 50 / 70 / 100: weight-row tails; K 40: not a multiple of 16 (the portable path
-    # whichever is asked)
+    # or two rows) or 60; N 7 / 33 / 50 / 70 / 100: weight-row tails; K 40: not a multiple of 16 (the portable
+    # path whichever is asked)
     x = torch.randn(M, K, generator=torch.Generator().manual_seed(1))
     w = weights((N, K), dtype)
     got = kernel(x, w, None, portable)

@@ -159,9 +159,11 @@ HZ_AVX512F void part_avx512(const Work<T>& p, int64_t n0, int64_t n1) {
   const int64_t row_bytes = p.K * static_cast<int64_t>(sizeof(float));
   for (const hz::Group& g : *p.groups) {
     // More than kMaxRows rows of x: weight rows in slices of about L1's 32 KB (of fp32), each read from
-    // memory once and from L1 by the group's later row tiles; a whole number of tiles (6 weight rows, 8
-    // for a last pass of one row of x), so no slice ends in single-row tiles. One pass: no slices.
-    const int64_t unit = g.count % kMaxRows == 1 ? 24 : 6;
+    // memory once and from L1 by the group's later row tiles; a whole number of every pass's tiles
+    // (tile_rows: 6, or 8 for a last pass of 1-2 rows of x), so no slice ends in single-row tiles. One
+    // pass: no slices.
+    const int64_t last = g.count % kMaxRows;
+    const int64_t unit = last == 1 || last == 2 ? 24 : 6;
     const int64_t slice = g.count <= kMaxRows ? n1 - n0 : std::max(unit, (32 * 1024) / row_bytes / unit * unit);
     for (int64_t s0 = n0; s0 < n1; s0 += slice) {
       const int64_t s1 = std::min(n1, s0 + slice);
