@@ -173,15 +173,16 @@ def build_ours(cfg: ModelConfig, dtype: str, seed: int, like: HorizonForCausalLM
     return model.eval()
 
 
-FORMATS = ("fp32", "bf16", "mxfp4", "mxfp4-bf16", "mxfp4-int8")
+FORMATS = ("fp32", "bf16", "mxfp4", "mxfp4-bf16", "mxfp4-int8", "mxfp4-q8")
 
 
 def build_ours_pair(cfg: ModelConfig, args) -> dict[str, HorizonForCausalLM]:
     """{"ours_fp32", "ours_bf16"}: the preset in float32, and the same weights rounded to bfloat16; with
     --formats also "ours_mxfp4" (the fp32 model's routed experts as MXFP4, the shipped format) and
-    "ours_mxfp4_int8" (that, with every dense projection int8) and "ours_mxfp4_bf16" (the bf16 model's routed
-    experts as MXFP4: what quantising the `small` preset as configured, in bf16, gives)."""
-    from horizon.quant import quantize_dense_int8, quantize_model
+    "ours_mxfp4_int8" (that, with every dense projection int8), "ours_mxfp4_q8" (MXFP4 experts that take int8
+    activations, `mxfp4_activations="int8"`) and "ours_mxfp4_bf16" (the bf16 model's routed experts as MXFP4:
+    what quantising the `small` preset as configured, in bf16, gives)."""
+    from horizon.quant import quantize_dense_int8, quantize_model, set_int8_activations
 
     formats = getattr(args, "formats", None) or (list(FORMATS) if hasattr(args, "formats") else ["fp32", "bf16"])
     formats = ["fp32"] + [f for f in formats if f != "fp32"]  # the others are built from it (and bench/engine needs it)
@@ -196,7 +197,11 @@ def build_ours_pair(cfg: ModelConfig, args) -> dict[str, HorizonForCausalLM]:
         else:
             dtype = "bfloat16" if name == "mxfp4-bf16" else "float32"
             model = quantize_model(build_ours(cfg, dtype, args.seed, like=fp32))
-            ours["ours_" + name.replace("-", "_")] = quantize_dense_int8(model) if name == "mxfp4-int8" else model
+            if name == "mxfp4-int8":
+                quantize_dense_int8(model)
+            if name == "mxfp4-q8":
+                set_int8_activations(model)
+            ours["ours_" + name.replace("-", "_")] = model
     return ours
 
 

@@ -56,7 +56,7 @@ from horizon.model import HorizonForCausalLM
 OPTIONS = ("repeats", "batches", "prompt", "new_tokens", "hf_attn", "glm5_hc_mult", "no_transformers", "formats",
            "enforce_eager")
 SUFFIX = {"ours_fp32": "", "ours_bf16": "_bf16", "ours_mxfp4": "_mxfp4", "ours_mxfp4_bf16": "_mxfp4_bf16",
-          "ours_mxfp4_int8": "_mxfp4_int8"}
+          "ours_mxfp4_int8": "_mxfp4_int8", "ours_mxfp4_q8": "_mxfp4_q8"}
 
 DIFFERENCES = {
     "common": [

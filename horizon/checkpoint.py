@@ -44,7 +44,7 @@ from horizon.parallel.shard import Layout, model_splits, read_shard, shard_model
 from horizon.quant import canonical_name as _canonical_name  # `<name>.blocks` (gpt-oss) -> `<name>_blocks`
 from horizon.quant import empty_quantized_model
 from horizon.quant.int8 import Int8Linear, quantize_dense_int8
-from horizon.quant.layers import MXFP4Experts, MXFP4Linear
+from horizon.quant.layers import MXFP4Experts, MXFP4Linear, set_int8_activations
 from horizon.quant.mxfp4 import BLOCK as MXFP4_BLOCK
 from horizon.quant.mxfp4 import E8M0_BIAS
 from horizon.quant.mxfp4 import dequantize as mxfp4_dequantize
@@ -58,6 +58,7 @@ INDEX = "model.safetensors.index.json"
 DEFAULT_SHARD_BYTES = 4 * 1024**3
 QUANT_METHODS = ("mxfp4",)
 DENSE_FORMATS = ("int8",)  # load-time formats of the dense projections (`load(dense=...)`); None: as stored
+MXFP4_ACTIVATIONS = ("int8",)  # what MXFP4 layers round their inputs to (`load(mxfp4_activations=...)`); None: fp32
 _SAFETENSORS_DTYPE_BYTES = {"F64": 8, "F32": 4, "F16": 2, "BF16": 2, "I64": 8, "I32": 4, "I16": 2, "I8": 1,
                             "U8": 1, "BOOL": 1, "F8_E4M3": 1, "F8_E5M2": 1}
 
@@ -420,10 +421,22 @@ def check_finite_weights(model: HorizonForCausalLM, source: str) -> None:
                          "to load it anyway skip this check: check_finite=False, or `horizon serve --no-weight-check`")
 
 
-def _check_dense(dense: str | None) -> None:
+def _check_dense(dense: str | None, mxfp4_activations: str | None = None) -> None:
     if dense not in (None, *DENSE_FORMATS):
         raise ValueError(f"dense={dense!r} is not supported; allowed: None (the stored weights), "
                          f"{', '.join(map(repr, DENSE_FORMATS))}")
+    if mxfp4_activations not in (None, *MXFP4_ACTIVATIONS):
+        raise ValueError(f"mxfp4_activations={mxfp4_activations!r} is not supported; allowed: None (fp32), "
+                         f"{', '.join(map(repr, MXFP4_ACTIVATIONS))}")
+
+
+def _apply_formats(model: HorizonForCausalLM, source: str, dense: str | None, mxfp4_activations: str | None) -> None:
+    """The load-time choices, in place: int8 dense projections, int8 activations into the MXFP4 layers."""
+    if dense == "int8":
+        quantize_dense_int8(model)
+    if mxfp4_activations == "int8" and not set_int8_activations(model):
+        raise ValueError(f"{source}: mxfp4_activations='int8' rounds the inputs of MXFP4 layers, and this model has "
+                         "none (its experts are stored in full precision; `horizon quantize` makes an MXFP4 copy)")
 
 
 def read_config(path: Path):
@@ -452,17 +465,20 @@ def read_config(path: Path):
         raise ValueError(f"{path / CONFIG}: {e}") from None
 
 
-def load(path: str | Path, dtype: torch.dtype | None = None, device="cpu",
-         check_finite: bool = False, dense: str | None = None, layout: Layout | None = None) -> HorizonForCausalLM:
+def load(path: str | Path, dtype: torch.dtype | None = None, device="cpu", check_finite: bool = False,
+         dense: str | None = None, layout: Layout | None = None,
+         mxfp4_activations: str | None = None) -> HorizonForCausalLM:
     """Load a Horizon checkpoint folder, or a supported Hugging Face one (see horizon.interop).
 
     check_finite: after filling the model, refuse NaN/Inf weights (`check_finite_weights`).
     dense: "int8" swaps the dense projections for int8 ones after loading (`quantize_dense_int8`;
     ~1/4 of fp32's bytes); such a model cannot be saved.
+    mxfp4_activations: "int8" rounds what the MXFP4 layers multiply to int8 per 32 values first
+    (`set_int8_activations`: faster, not exact; docs/model.md); a model without MXFP4 layers is refused.
     layout: this rank's part of a tensor / expert-parallel model (horizon.parallel.shard). A Horizon
     checkpoint is read slice by slice; another family's tensors are converted one at a time, then cut.
     """
-    _check_dense(dense)
+    _check_dense(dense, mxfp4_activations)
     path = Path(path)
     config, method, family = read_config(path)
     if family is None:
@@ -483,8 +499,7 @@ def load(path: str | Path, dtype: torch.dtype | None = None, device="cpu",
         model.lm_head.weight = model.embed.weight
     if check_finite:
         check_finite_weights(model, str(path))
-    if dense == "int8":
-        quantize_dense_int8(model)
+    _apply_formats(model, str(path), dense, mxfp4_activations)
     return model.eval()
 
 
@@ -511,7 +526,8 @@ def open_config(path: str | Path | None = None) -> tuple[ModelConfig, str | None
 
 
 def open_model(path: str | Path | None = None, dtype: torch.dtype | None = None, device="cpu",
-               check_finite: bool = False, dense: str | None = None, layout: Layout | None = None) -> Bundle:
+               check_finite: bool = False, dense: str | None = None, layout: Layout | None = None,
+               mxfp4_activations: str | None = None) -> Bundle:
     """Model, tokenizer and generation config of a checkpoint folder, or of a model Horizon ships.
 
     None or "bundled": the trained `horizon-tiny` shipped in `horizon/assets/horizon-tiny` (MXFP4
@@ -519,26 +535,27 @@ def open_model(path: str | Path | None = None, dtype: torch.dtype | None = None,
     random weights from a fixed seed, the same on every machine (it speaks the chat format's tokens
     but not sense; the tests use it because its behaviour does not change when the bundled model is
     retrained). check_finite: refuse a checkpoint with NaN/Inf weights (see `load`); the random
-    model is made here, not read, and is not checked. dense: as in `load` ("int8" or None), for every source.
+    model is made here, not read, and is not checked. dense, mxfp4_activations: as in `load`, for every source.
     layout: this rank's part of a tensor-parallel model (see `load`).
     """
     from horizon.chat import load_tokenizer
 
-    _check_dense(dense)
+    _check_dense(dense, mxfp4_activations)
     if str(path) == RANDOM or ((path is None or str(path) == BUNDLED) and not (BUNDLED_DIR / CONFIG).is_file()):
         model = HorizonForCausalLM(ModelConfig.preset("tiny"), init=False)
         model.init_weights(seed=0)  # the same weights on every machine
         model = model.to(device=device, dtype=dtype or torch.float32)
         if layout is not None:
             shard_model(model, layout)
-        if dense == "int8":
-            quantize_dense_int8(model)
+        _apply_formats(model, RANDOM, dense, mxfp4_activations)
         return Bundle(model.eval(), load_tokenizer(), default_generation_config(), "bundled:tiny-random")
     # The generation config first: a typo in it should not wait for (possibly minutes of) weights.
     if path is None or str(path) == BUNDLED:
         gen = load_generation_config(BUNDLED_DIR)
-        model = load(BUNDLED_DIR, dtype=dtype, device=device, check_finite=check_finite, dense=dense, layout=layout)
+        model = load(BUNDLED_DIR, dtype=dtype, device=device, check_finite=check_finite, dense=dense, layout=layout,
+                     mxfp4_activations=mxfp4_activations)
         return Bundle(model, load_tokenizer(BUNDLED_DIR), gen, "bundled:horizon-tiny")
     gen = load_generation_config(path)
-    model = load(path, dtype=dtype, device=device, check_finite=check_finite, dense=dense, layout=layout)
+    model = load(path, dtype=dtype, device=device, check_finite=check_finite, dense=dense, layout=layout,
+                 mxfp4_activations=mxfp4_activations)
     return Bundle(model, load_tokenizer(path), gen, str(path))

@@ -143,7 +143,7 @@ def _open_engine(args, layout=None):
     from horizon.checkpoint import open_model
     from horizon.engine import Engine, EngineConfig
 
-    bundle = open_model(args.model, dense=_dense(args.dense_weights), layout=layout)
+    bundle = open_model(args.model, **_formats(args), layout=layout)
     engine = Engine(bundle.model, bundle.tokenizer, EngineConfig(max_num_seqs=1, max_batch_tokens=512),
                     generation_config=bundle.generation_config)
     return bundle, engine
@@ -168,9 +168,11 @@ def _lockstep(engine, layout, drive) -> int:
     return code
 
 
-def _dense(choice: str) -> str | None:
-    """--dense-weights {full,int8} -> open_model's `dense` (None: the weights as stored)."""
-    return None if choice == "full" else choice
+def _formats(args) -> dict[str, str | None]:
+    """--dense-weights {full,int8} and --mxfp4-activations {fp32,int8} -> open_model's `dense` and
+    `mxfp4_activations` (None: as stored, fp32)."""
+    return {"dense": None if args.dense_weights == "full" else args.dense_weights,
+            "mxfp4_activations": None if args.mxfp4_activations == "fp32" else args.mxfp4_activations}
 
 
 def _params(args):
@@ -241,15 +243,15 @@ def _build_app(model: str | None, served_model_name: str | None = None, api_keys
                responses_retention_days: float = 30, reasoning_key_file: str | None = None,
                prefix_snapshot_turns: int = 2, body_timeout_s: float = 30, prefix_cache_mb: float = 256,
                check_weights: bool = True, playground: bool = True, playground_root: str | None = None,
-               playground_hosts: list[str] | None = None, compile: bool = False, dense_weights: str = "full",
-               layout=None):
+               playground_hosts: list[str] | None = None, compile: bool = False,
+               formats: dict[str, str | None] | None = None, layout=None):
     """(the FastAPI app over one engine, the served model id, the checkpoint's source)."""
     import os
 
     from horizon.server import ModelService, ServerSettings, create_app
     from horizon.server.playground import PlaygroundSettings
 
-    bundle, engine = _serve_engine(model, check_weights, dense_weights, layout, max_num_seqs=max_num_seqs,
+    bundle, engine = _serve_engine(model, check_weights, formats or {}, layout, max_num_seqs=max_num_seqs,
                                    max_model_len=max_model_len, max_batch_tokens=max_batch_tokens,
                                    coverage_every=coverage_every, prefix_cache_bytes=int(prefix_cache_mb * 1024**2),
                                    compile=compile)
@@ -269,12 +271,12 @@ def _build_app(model: str | None, served_model_name: str | None = None, api_keys
     return app, model_id, bundle.source
 
 
-def _serve_engine(model: str | None, check_weights: bool, dense_weights: str, layout, **engine_config):
+def _serve_engine(model: str | None, check_weights: bool, formats: dict[str, str | None], layout, **engine_config):
     """(the model bundle, the engine over it): the part of the server every tensor-parallel rank builds."""
     from horizon.checkpoint import open_model
     from horizon.engine import Engine, EngineConfig
 
-    bundle = open_model(model, check_finite=check_weights, dense=_dense(dense_weights), layout=layout)
+    bundle = open_model(model, check_finite=check_weights, layout=layout, **formats)
     return bundle, Engine(bundle.model, bundle.tokenizer, EngineConfig(**engine_config),
                           generation_config=bundle.generation_config)
 
@@ -337,7 +339,7 @@ def _cmd_serve(args: argparse.Namespace) -> int:
     if isinstance(layout, int):  # this process launched the ranks; they have ended
         return layout
     if layout is not None and layout.rank != 0:  # a rank that computes: no HTTP, rank 0's steps
-        _, engine = _serve_engine(args.model, not args.no_weight_check, args.dense_weights, layout,
+        _, engine = _serve_engine(args.model, not args.no_weight_check, _formats(args), layout,
                                   max_num_seqs=args.max_num_seqs, max_model_len=args.max_model_len,
                                   max_batch_tokens=args.max_batch_tokens, coverage_every=args.coverage_every,
                                   prefix_cache_bytes=int(args.prefix_cache_mb * 1024**2),
@@ -355,7 +357,7 @@ def _cmd_serve(args: argparse.Namespace) -> int:
                                            args.prefix_snapshot_turns, args.body_timeout, args.prefix_cache_mb,
                                            not args.no_weight_check, not args.no_playground, args.playground_root,
                                            args.playground_allowed_host, compile=not args.enforce_eager,
-                                           dense_weights=args.dense_weights, layout=layout)
+                                           formats=_formats(args), layout=layout)
     except ValueError as e:  # a setting the model or engine cannot take (e.g. --max-model-len past the window)
         raise SystemExit(f"horizon serve: {e}") from None
     page = "" if args.no_playground else f"; the playground: http://{args.host}:{args.port}/"
@@ -829,10 +831,13 @@ def build_parser() -> argparse.ArgumentParser:
         p.add_argument("--enable-expert-parallel", action="store_true",
                        help="spread the routed experts whole over the N ranks instead of splitting each one")
 
-    def dense_weights(p: argparse.ArgumentParser) -> None:
+    def weight_formats(p: argparse.ArgumentParser) -> None:
         p.add_argument("--dense-weights", choices=["full", "int8"], default="full",
                        help="int8: hold the dense projections (attention, dense MLP, shared experts, LM head) as "
                             "int8 with per-row scales, converted at load (~1/4 of fp32's bytes; docs/model.md)")
+        p.add_argument("--mxfp4-activations", choices=["fp32", "int8"], default="fp32",
+                       help="int8: round what the MXFP4 experts multiply to int8 per 32 values first (llama.cpp's "
+                            "Q8_0 way; AVX-512 VNNI): faster, ~0.5%% relative error in their outputs (docs/model.md)")
 
     def sampling(p: argparse.ArgumentParser) -> None:
         p.add_argument("--model", default=None, help="checkpoint folder (default: the bundled model)")
@@ -841,7 +846,7 @@ def build_parser() -> argparse.ArgumentParser:
         p.add_argument("--temperature", type=float, default=0.7)
         p.add_argument("--top-p", type=float, default=0.95)
         p.add_argument("--seed", type=int, default=None)
-        dense_weights(p)
+        weight_formats(p)
 
     p = sub.add_parser("generate", help="answer one prompt, streaming thinking and answer")
     p.add_argument("--prompt", required=True)
@@ -902,7 +907,7 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--no-weight-check", action="store_true",
                    help="skip the check for NaN / infinite weights at load (it costs ~4 ms on the bundled model, "
                         "~60 ms on the bf16 `small` preset)")
-    dense_weights(p)
+    weight_formats(p)
     p.add_argument("--prefix-cache-mb", type=float, default=256,
                    help="memory for the KDA state snapshots that let later requests resume a shared prefix")
     p.add_argument("--prefix-snapshot-turns", type=int, default=2, metavar="K",

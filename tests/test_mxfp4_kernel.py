@@ -266,3 +266,144 @@ def test_gradients_flow_through_the_kernel_to_x():
     w = dequantize(blocks, scales, torch.float32, 40)  # [E, N, K]
     (torch.einsum("mk,mnk->mn", x, w[expert]) * g).sum().backward()
     assert_matches(got, x.grad)
+
+
+# --- int8 activations (opt-in) ------------------------------------------------------------------------
+def q8_kernel(x, blocks, scales, expert, portable):
+    assert kernel_available(), "the MXFP4 kernel did not build (see the logged warning)"
+    return torch.ops.horizon.mxfp4_expert_matmul(x, blocks, scales, expert, portable, True)
+
+
+def test_this_cpu_takes_the_vnni_path_for_int8_activations():
+    if {"avx512f", "avx512bw", "avx512_vnni"} <= CPU_FLAGS:
+        assert kernels.has_vnni()
+
+
+def test_quantize_activations_is_what_its_docstring_says():
+    gen = torch.Generator().manual_seed(0)
+    x = torch.randn(3, 70, generator=gen) * torch.tensor([1e-3, 1.0, 50.0])[:, None]
+    x[1, 32:64] = 0  # an all-zero block
+    x[2, 5] = float("nan")
+    x[0, 66] = float("inf")  # in the last, 6-wide block
+    q, scale = kernels.quantize_activations(x)
+    assert q.dtype == torch.int8 and q.shape == (3, 70) and scale.shape == (3, 3)
+    assert q.abs().max() <= 127 and scale[1, 1] == 0 and (q[1, 32:64] == 0).all()
+    assert scale[2, 0].isnan() and (q[2, :32] == 0).all() and scale[0, 2].isnan() and (q[0, 64:] == 0).all()
+    back = kernels.dequantize_activations(q, scale)
+    ok = scale.isfinite().repeat_interleave(32, dim=1)[:, :70]
+    bound = scale.nan_to_num(0).repeat_interleave(32, dim=1)[:, :70] / 2
+    assert ((back - x).abs()[ok] <= bound[ok] * (1 + 1e-6)).all()  # half a step at most
+    # each finite block's largest magnitude is exactly +-127 steps
+    amax = q.abs().view(3, -1)[:, :64].reshape(3, 2, 32).amax(-1)
+    assert (amax[scale[:, :2].isfinite() & (scale[:, :2] > 0)] == 127).all()
+
+
+@pytest.mark.parametrize("portable", PATHS)
+@pytest.mark.parametrize("E, N, K, M", [
+    (4, 48, 512, 1),     # batch-1 decode at the small preset's width: one pass of 16 blocks
+    (6, 37, 45, 64),     # K not a multiple of 32, N not a multiple of the tiles
+    (3, 40, 700, 13),    # 22 blocks: a full pass and a partial one; groups of more than 4 rows
+    (40, 72, 1024, 64),  # many experts, one to a few rows each, two passes
+])
+def test_int8_activations_equal_their_reference(portable, E, N, K, M):
+    blocks, scales = packed(E, N, K)
+    gen = torch.Generator().manual_seed(2)
+    x = torch.randn(M, K, generator=gen) * torch.rand(M, 1, generator=gen) * 3
+    expert = torch.randint(0, E, (M,), generator=gen)
+    got = q8_kernel(x, blocks, scales, expert, portable)
+    want = mxfp4_expert_matmul_reference(x, blocks, scales, expert, int8_activations=True)
+    assert_matches(got, want)
+    # the reference is dequantise-then-matmul on x rounded as quantize_activations defines
+    x8 = kernels.dequantize_activations(*kernels.quantize_activations(x))
+    assert_matches(want, mxfp4_expert_matmul_reference(x8, blocks, scales, expert))
+    # and the rounding is small: int8 steps of amax / 127 per 32 values
+    exact = mxfp4_expert_matmul_reference(x, blocks, scales, expert)
+    assert float((got - exact).norm() / exact.norm()) < 0.02
+
+
+@pytest.mark.parametrize("portable", PATHS)
+def test_int8_activations_a_row_is_the_same_batched_or_alone(portable):
+    """Bit for bit: how many rows share an expert (1-4 at a time, or more in chunks) never changes a row."""
+    E, N, K = 3, 30, 600
+    blocks, scales = packed(E, N, K, seed=3)
+    x = torch.randn(11, K)
+    expert = torch.tensor([1] * 9 + [0, 2])
+    together = q8_kernel(x, blocks, scales, expert, portable)
+    for m in range(11):
+        alone = q8_kernel(x[m:m + 1], blocks, scales, expert[m:m + 1], portable)
+        assert torch.equal(alone[0], together[m]), m
+
+
+@pytest.mark.parametrize("portable", PATHS)
+def test_int8_activations_nan_in_where_the_reference_has_it(portable):
+    E, N, K = 2, 20, 100
+    blocks, scales = packed(E, N, K)
+    scales[1, 3, 3] = 0xFF  # a NaN weight block (the last, partial one) of expert 1's output row 3
+    x = torch.randn(4, K)
+    x[2, 40] = float("inf")  # a non-finite activation: its whole row is NaN
+    expert = torch.tensor([0, 1, 0, 1])
+    got = q8_kernel(x, blocks, scales, expert, portable)
+    want = mxfp4_expert_matmul_reference(x, blocks, scales, expert, int8_activations=True)
+    nan = torch.zeros(4, N, dtype=torch.bool)
+    nan[2] = True
+    nan[[1, 3], 3] = True
+    assert torch.equal(want.isnan(), nan) and torch.equal(got.isnan(), nan)
+    assert_matches(got, want)
+    # all-zero activations and all-zero weights give exact zeros
+    zb, zs = quantize(torch.zeros(1, 8, 64))
+    assert torch.equal(q8_kernel(torch.randn(3, 64), zb, zs, torch.zeros(3, dtype=torch.long), portable),
+                       torch.zeros(3, 8))
+    assert torch.equal(q8_kernel(torch.zeros(2, K), blocks, scales, torch.tensor([0, 0]), portable), torch.zeros(2, N))
+
+
+@torch.no_grad()
+def test_mxfp4_modules_with_int8_activations_match_their_reference_paths():
+    from horizon.quant import set_int8_activations
+
+    _, m = random_experts()
+    x = torch.randn(13, 64)
+    weights, idx = routing(13, 8)
+    exact = m.sync_free(x, weights, idx)
+    holder = nn.Sequential(m, MXFP4Linear.from_linear(nn.Linear(64, 40)))
+    assert set_int8_activations(holder) == 2 and m.int8_activations and holder[1].int8_activations
+    got = m.sync_free(x, weights, idx)
+    eager, _ = m.forward(x, weights, idx)
+    assert_matches(eager, got)
+    assert 0 < float((got - exact).norm() / exact.norm()) < 0.02
+    kernels_on = kernels._built
+    try:
+        kernels._built = False  # the dequantising path rounds x the same way
+        ref, _ = m.forward(x, weights, idx)
+        lin_ref = holder[1](x)
+    finally:
+        kernels._built = kernels_on
+    assert_matches(got, ref)
+    assert_matches(holder[1](x), lin_ref)
+    assert set_int8_activations(holder, False) == 2 and not m.int8_activations
+    assert_matches(m.sync_free(x, weights, idx), exact)
+
+
+@torch.no_grad()
+def test_int8_activations_at_load_time_and_from_the_cli():
+    from horizon.checkpoint import open_model
+    from horizon.cli import _formats, build_parser
+
+    plain = open_model().model  # the bundled model: MXFP4 experts
+    q8 = open_model(mxfp4_activations="int8").model
+    flags = [m.int8_activations for m in q8.modules() if isinstance(m, MXFP4Experts)]
+    assert flags and all(flags)
+    assert not any(m.int8_activations for m in plain.modules() if isinstance(m, MXFP4Experts))
+    tokens = torch.randint(300, 3000, (1, 48), generator=torch.Generator().manual_seed(0))
+    a, b = plain(tokens), q8(tokens)
+    rel = float((a - b).norm() / a.norm())
+    assert 0 < rel < 0.05, rel  # rounded, but close
+    with pytest.raises(ValueError, match="has none"):
+        open_model("tiny-random", mxfp4_activations="int8")  # full-precision experts: nothing to round
+    with pytest.raises(ValueError, match=r"mxfp4_activations=.*allowed: None.*'int8'"):
+        open_model(mxfp4_activations="int4")
+    parser = build_parser()
+    args = parser.parse_args(["serve", "--mxfp4-activations", "int8"])
+    assert _formats(args) == {"dense": None, "mxfp4_activations": "int8"}
+    assert _formats(parser.parse_args(["generate", "--prompt", "hi"])) == {"dense": None, "mxfp4_activations": None}
+    with pytest.raises(SystemExit):
+        parser.parse_args(["serve", "--mxfp4-activations", "fp8"])

@@ -27,7 +27,7 @@ from torch import nn
 from horizon.model.dsa import GatedDSA
 from horizon.model.kda import KimiDeltaAttention
 from horizon.model.moe import Experts, local_assignments
-from horizon.quant.kernels import kernel_available, mxfp4_matmul
+from horizon.quant.kernels import dequantize_activations, kernel_available, mxfp4_matmul, quantize_activations
 from horizon.quant.mxfp4 import BLOCK, BLOCK_BYTES, dequantize, quantize
 
 # The attention projections `quantize_model(attention=True)` stores as MXFP4: the big q/k/v/output
@@ -47,6 +47,14 @@ def _packed_buffers(module: nn.Module, name: str, lead: tuple[int, ...], cols: i
     module.register_buffer(f"{name}_scales", torch.zeros(*lead, nb, dtype=torch.uint8, device=device))
 
 
+def _rounded(x: torch.Tensor, int8_activations: bool) -> torch.Tensor:
+    """x as the kernel takes it: rounded to int8 per 32-wide block with int8_activations (the
+    dequantising path's half of that mode), else unchanged."""
+    if not int8_activations or x.shape[-1] == 0:
+        return x
+    return dequantize_activations(*quantize_activations(x.reshape(-1, x.shape[-1]))).to(x.dtype).view(x.shape)
+
+
 def _quantized(weight: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     if weight.device.type == "meta":
         raise ValueError("quantize_model needs real weights, got a model on the meta device; "
@@ -55,7 +63,14 @@ def _quantized(weight: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
 
 
 class MXFP4Experts(nn.Module):
-    """E SwiGLU experts in MXFP4: gate_up_proj [E, 2f, d] and down_proj [E, d, f] as packed bytes."""
+    """E SwiGLU experts in MXFP4: gate_up_proj [E, 2f, d] and down_proj [E, d, f] as packed bytes.
+
+    `int8_activations = True` (on an instance; `set_int8_activations(model)` for a whole model) rounds the
+    experts' inputs to int8 per 32-wide block before the kernel multiplies them (horizon.quant.kernels.
+    quantize_activations): an opt-in speed mode, not exact.
+    """
+
+    int8_activations: bool = False
 
     def __init__(self, n_experts: int, dim: int, hidden: int, device=None):
         super().__init__()
@@ -86,13 +101,15 @@ class MXFP4Experts(nn.Module):
         if x.device.type == "cpu" and kernel_available():
             # the kernel on expert e's slice (a view, ids all 0): the packed bytes are decoded in registers
             zeros = torch.zeros(x.shape[0], dtype=torch.long)
+            q8 = self.int8_activations
             gate, up = mxfp4_matmul(x, self.gate_up_proj_blocks[e:e + 1], self.gate_up_proj_scales[e:e + 1],
-                                    zeros).to(x.dtype).chunk(2, dim=-1)
+                                    zeros, q8).to(x.dtype).chunk(2, dim=-1)
             # rounded to x.dtype between the matmuls, as F.linear in that dtype rounds its output
             return mxfp4_matmul(F.silu(gate) * up, self.down_proj_blocks[e:e + 1], self.down_proj_scales[e:e + 1],
-                                zeros).to(x.dtype)
-        gate, up = F.linear(x, self.weight("gate_up_proj", e, x.dtype)).chunk(2, dim=-1)
-        return F.linear(F.silu(gate) * up, self.weight("down_proj", e, x.dtype))
+                                zeros, q8).to(x.dtype)
+        q8 = self.int8_activations
+        gate, up = F.linear(_rounded(x, q8), self.weight("gate_up_proj", e, x.dtype)).chunk(2, dim=-1)
+        return F.linear(_rounded(F.silu(gate) * up, q8), self.weight("down_proj", e, x.dtype))
 
     # The dispatch is Experts' own (sort assignments by expert, one call per expert that has tokens);
     # only expert(e, x) differs, so experts nobody routes to are never read.
@@ -110,9 +127,10 @@ class MXFP4Experts(nn.Module):
         weights, idx = local_assignments(self, weights, idx)
         xs = x.float().repeat_interleave(k, dim=0)  # row j*k + i is token j for its i-th expert
         flat = idx.flatten().clamp(max=self.n_experts - 1)  # another rank's experts: any one, weight 0
-        h = mxfp4_matmul(xs, self.gate_up_proj_blocks, self.gate_up_proj_scales, flat)  # [N*k, 2f]
+        q8 = self.int8_activations
+        h = mxfp4_matmul(xs, self.gate_up_proj_blocks, self.gate_up_proj_scales, flat, q8)  # [N*k, 2f]
         gate, up = h.chunk(2, dim=-1)
-        y = mxfp4_matmul(F.silu(gate) * up, self.down_proj_blocks, self.down_proj_scales, flat)  # [N*k, d]
+        y = mxfp4_matmul(F.silu(gate) * up, self.down_proj_blocks, self.down_proj_scales, flat, q8)  # [N*k, d]
         return (y.view(n, k, -1) * weights.float()[..., None]).sum(1).to(x.dtype)
 
 
@@ -143,7 +161,10 @@ class PackedLinear(nn.Module):
 
 
 class MXFP4Linear(PackedLinear):
-    """y = x W^T + b with W [out, in] held as MXFP4 (`weight_blocks`, `weight_scales`); b stays as it was."""
+    """y = x W^T + b with W [out, in] held as MXFP4 (`weight_blocks`, `weight_scales`); b stays as it was.
+    `int8_activations` as in MXFP4Experts."""
+
+    int8_activations: bool = False
 
     def __init__(self, in_features: int, out_features: int, bias: bool = False, device=None, dtype=None):
         super().__init__()
@@ -168,11 +189,11 @@ class MXFP4Linear(PackedLinear):
             # the fused kernel with one "expert": the matrix is never expanded
             rows = x.reshape(-1, x.shape[-1])
             zeros = torch.zeros(rows.shape[0], dtype=torch.long)
-            y = mxfp4_matmul(rows, self.weight_blocks[None], self.weight_scales[None], zeros)
+            y = mxfp4_matmul(rows, self.weight_blocks[None], self.weight_scales[None], zeros, self.int8_activations)
             y = y.to(x.dtype).view(*x.shape[:-1], self.out_features)
             return y if self.bias is None else y + self.bias
         w = dequantize(self.weight_blocks, self.weight_scales, x.dtype, self.in_features)
-        return F.linear(x, w, self.bias)
+        return F.linear(_rounded(x, self.int8_activations), w, self.bias)
 
     def extra_repr(self) -> str:
         return f"in_features={self.in_features}, out_features={self.out_features}, " \
@@ -207,6 +228,16 @@ def empty_quantized_model(model: nn.Module, attention: bool = False) -> nn.Modul
     """As quantize_model, but the MXFP4 modules are zero-filled (on each replaced module's device, the
     meta device included) and the weights are not read: the form a checkpoint loader fills."""
     return _swap(model, attention, empty=True)
+
+
+def set_int8_activations(model: nn.Module, on: bool = True) -> int:
+    """Switch every MXFP4 module of `model` (experts and linears) to int8 activations (or back); returns how
+    many there are. A load-time choice (`horizon.load(..., mxfp4_activations="int8")`, `horizon serve
+    --mxfp4-activations int8`): set it before a compiled graph is built, which bakes it in."""
+    modules = [m for m in model.modules() if isinstance(m, (MXFP4Experts, MXFP4Linear))]
+    for m in modules:
+        m.int8_activations = on
+    return len(modules)
 
 
 def canonical_name(name: str) -> str:

@@ -21,12 +21,29 @@
 //   which balances however the tokens are routed.
 // - The AVX-512 functions carry __attribute__((target(...))) so the file builds with no -march flag;
 //   the choice is made at run time (__builtin_cpu_supports), with a portable C++ path otherwise.
+//
+// Opt-in int8 activations (int8_activations=true; horizon.quant.kernels.quantize_activations is the
+// definition): each 32-wide block of a row of x is rounded to int8 with its own scale amax/127 (the Q8_0
+// format llama.cpp multiplies its MXFP4 weights with), and each block's dot product is then exact in
+// int32, scaled once by (weight block scale x activation block scale). Why: decoding nibbles to fp32 is
+// the cost of the fp32 path at 1-4 rows per expert (5 ops per 32 weights before any FMA); as int8 a
+// nibble decodes with one byte shuffle per 64 weights and VNNI's vpdpbusd does 64 multiply-adds an
+// instruction. Layout (AVX-512 VNNI):
+// - 16 blocks (512 weights of a row) at a time: their 256 bytes are 4 loads, and a 4x4 transpose of
+//   dwords puts block 4(L%4) + L/4 in dword lane L, so each int32 lane accumulates one block only and the
+//   scales apply per lane, once per 512 weights, not per block;
+// - vpdpbusd multiplies unsigned by signed bytes: the weights are looked up as 2*E2M1 + 12 in [0, 24]
+//   (vpshufb on the nibbles) and each lane starts from -12 * (sum of its block's int8 activations), so the
+//   lane ends at exactly 2 * sum(w * a); the 1/2 is folded into the activation scales;
+// - x is quantised and laid out on the host once per call, in the order the lanes read it.
 
 #include <ATen/ATen.h>
 #include <ATen/Parallel.h>
 #include <torch/library.h>
 
 #include <algorithm>
+#include <cmath>
+#include <limits>
 #include <cstdint>
 #include <cstring>
 #include <vector>
@@ -273,9 +290,285 @@ void rows_avx512(const Problem& p, int64_t n0, int64_t n1) { rows_portable(p, n0
 #endif
 
 // ---------------------------------------------------------------------------------------------------
+// int8 activations (opt-in; see the top of the file).
+
+constexpr int64_t kSet = 16;                   // blocks per AVX-512 pass (one int32 lane each)
+constexpr int64_t kSetBytes = kSet * kBlock;   // int8 activations of one pass
+constexpr int kQ8MaxRows = 4;                  // rows of x per decoded pass of weights
+constexpr int kLaneBlock[16] = {0, 4, 8, 12, 1, 5, 9, 13, 2, 6, 10, 14, 3, 7, 11, 15};  // dword lane -> block
+
+// 2 * E2M1 as a signed integer (the portable path) and plus 12 as the unsigned byte vpdpbusd takes.
+constexpr int8_t kFP4x2[16] = {0, 1, 2, 3, 4, 6, 8, 12, 0, -1, -2, -3, -4, -6, -8, -12};
+
+struct Q8 {
+  int64_t nsets = 0;
+  // the portable path: x's rows in group order, natural column order (0 past K), and each block's scale
+  std::vector<int8_t> q;       // [M, nsets * 512]
+  std::vector<float> scale;    // [M, nsets * 16] (0 for an all-zero block, NaN for one not finite)
+  // the AVX-512 path, per row and pass of 16 blocks:
+  std::vector<int8_t> lanes;   // [M, nsets, 512]: q in the order the lanes read it
+  std::vector<int32_t> init;   // [M, nsets, 16]: -12 * (sum of the lane's block of q)
+  std::vector<float> half;     // [M, nsets, 16]: the lane's block scale / 2
+};
+
+// One block's scale and int8 values: scale = amax / 127, q = round(x / scale) half to even (nearbyint
+// under the default rounding mode, as torch.round), clamped to +-127. A block holding NaN or +-Inf gets a
+// NaN scale and q = 0, so the outputs it touches are NaN, as they are with fp32 activations. Returns the scale.
+float quantize_block(const float* src, int64_t n, int8_t* q) {
+  float amax = 0.0f;
+  bool finite = true;
+  for (int64_t k = 0; k < n; ++k) {
+    finite = finite && std::isfinite(src[k]);
+    amax = std::max(amax, std::fabs(src[k]));
+  }
+  if (!finite) return std::numeric_limits<float>::quiet_NaN();
+  const float s = amax / 127.0f;
+  if (s != 0.0f)
+    for (int64_t k = 0; k < n; ++k) q[k] = static_cast<int8_t>(std::clamp(std::nearbyint(src[k] / s), -127.0f, 127.0f));
+  return s;
+}
+
+Q8 quantize_rows(const float* x, int64_t K, int64_t nb, const std::vector<int64_t>& row_of) {
+  Q8 a;
+  const int64_t M = static_cast<int64_t>(row_of.size());
+  a.nsets = (nb + kSet - 1) / kSet;
+  const int64_t width = a.nsets * kSetBytes, nblocks = a.nsets * kSet;
+  a.q.assign(M * width, 0);
+  a.scale.assign(M * nblocks, 0.0f);
+  at::parallel_for(0, M, 8, [&](int64_t i0, int64_t i1) {
+    for (int64_t i = i0; i < i1; ++i)
+      for (int64_t b = 0; b < nb; ++b)
+        a.scale[i * nblocks + b] = quantize_block(x + row_of[i] * K + b * kBlock, std::min(kBlock, K - b * kBlock),
+                                                  a.q.data() + i * width + b * kBlock);
+  });
+  return a;
+}
+
+void q8_portable(const Problem& p, const Q8& a, int64_t n0, int64_t n1) {
+  const float* st = scale_table();
+  const int64_t width = a.nsets * kSetBytes, nblocks = a.nsets * kSet;
+  for (const Group& g : *p.groups) {
+    for (int64_t n = n0; n < n1; ++n) {
+      const uint8_t* wb = p.blk(g.expert, n);
+      const uint8_t* ws = p.scl(g.expert, n);
+      for (int64_t i = g.start; i < g.start + g.count; ++i) {
+        const int8_t* q = a.q.data() + i * width;
+        float acc = 0.0f;
+        for (int64_t b = 0; b < p.nb; ++b) {
+          int32_t dot = 0;
+          for (int j = 0; j < 16; ++j) {
+            const uint8_t byte = wb[b * kBlockBytes + j];
+            dot += kFP4x2[byte & 15] * q[b * kBlock + 2 * j] + kFP4x2[byte >> 4] * q[b * kBlock + 2 * j + 1];
+          }
+          acc += static_cast<float>(dot) * (st[ws[b]] * (0.5f * a.scale[i * nblocks + b]));
+        }
+        p.out[p.row_of[i] * p.N + n] = acc;
+      }
+    }
+  }
+}
+
+#if HZ_HAVE_AVX512
+
+#define HZ_VNNI __attribute__((target("avx2,avx512f,avx512bw,avx512vnni")))
+
+bool cpu_has_vnni() {
+  static const bool has = cpu_has_avx512() && __builtin_cpu_supports("avx512vnni");
+  return has;
+}
+
+// quantize_rows for the VNNI path, with the same numbers (IEEE division, round half to even), written
+// straight into the lane order: a block's 32 values are quantised in two registers, split into [16 even |
+// 16 odd] elements (the low / high nibbles' order), and its 8 dwords go to lane kLaneBlock^-1(block) of
+// the 8 (t, h) rows (kLaneBlock is a 4x4 transpose, its own inverse).
+HZ_VNNI void quantize_lane_rows(Q8& a, const float* x, int64_t K, int64_t nb, const int64_t* row_of, int64_t i0,
+                                int64_t i1) {
+  const int64_t width = a.nsets * kSetBytes;
+  {  // (the body's indentation is the parallel_for's it runs in)
+    const __m256i split = _mm256_setr_epi8(0, 2, 4, 6, 8, 10, 12, 14, 1, 3, 5, 7, 9, 11, 13, 15,
+                                           0, 2, 4, 6, 8, 10, 12, 14, 1, 3, 5, 7, 9, 11, 13, 15);
+    const __m512 lo = _mm512_set1_ps(-127.0f), hi = _mm512_set1_ps(127.0f);
+    for (int64_t i = i0; i < i1; ++i) {
+      const float* src = x + row_of[i] * K;
+      for (int64_t b = 0; b < nb; ++b) {
+        const int64_t k0 = b * kBlock, n = std::min(kBlock, K - k0);
+        const __mmask16 m0 = n >= 16 ? 0xFFFF : (1u << n) - 1, m1 = n >= 32 ? 0xFFFF : n <= 16 ? 0 : (1u << (n - 16)) - 1;
+        const __m512 v0 = _mm512_maskz_loadu_ps(m0, src + k0), v1 = _mm512_maskz_loadu_ps(m1, src + k0 + 16);
+        // finite: v - v is 0 (NaN for NaN and +-Inf)
+        const __mmask16 f0 = _mm512_cmp_ps_mask(_mm512_sub_ps(v0, v0), _mm512_setzero_ps(), _CMP_EQ_OQ);
+        const __mmask16 f1 = _mm512_cmp_ps_mask(_mm512_sub_ps(v1, v1), _mm512_setzero_ps(), _CMP_EQ_OQ);
+        const int64_t j = b / kSet, L = kLaneBlock[b % kSet];
+        float& half = a.half[(i * a.nsets + j) * 16 + L];
+        if ((f0 & f1) != 0xFFFF) {
+          half = std::numeric_limits<float>::quiet_NaN();
+          continue;
+        }
+        const float amax = _mm512_reduce_max_ps(_mm512_max_ps(_mm512_abs_ps(v0), _mm512_abs_ps(v1)));
+        const float s = amax / 127.0f;
+        half = 0.5f * s;
+        if (s == 0.0f) continue;
+        const __m512 sv = _mm512_set1_ps(s);
+        const int rnd = _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC;
+        const __m512i q0 = _mm512_cvtps_epi32(_mm512_min_ps(hi, _mm512_max_ps(lo, _mm512_roundscale_ps(_mm512_div_ps(v0, sv), rnd))));
+        const __m512i q1 = _mm512_cvtps_epi32(_mm512_min_ps(hi, _mm512_max_ps(lo, _mm512_roundscale_ps(_mm512_div_ps(v1, sv), rnd))));
+        a.init[(i * a.nsets + j) * 16 + L] = -12 * (_mm512_reduce_add_epi32(q0) + _mm512_reduce_add_epi32(q1));
+        const __m256i natural = _mm256_set_m128i(_mm512_cvtepi32_epi8(q1), _mm512_cvtepi32_epi8(q0));
+        // per 128 bits [8 even | 8 odd]; qwords (0, 2, 1, 3): [16 even | 16 odd] = dwords (h, t) at 4h + t
+        alignas(32) int32_t dw[8];
+        _mm256_store_si256(reinterpret_cast<__m256i*>(dw),
+                           _mm256_permute4x64_epi64(_mm256_shuffle_epi8(natural, split), 0xD8));
+        int32_t* dst = reinterpret_cast<int32_t*>(a.lanes.data() + i * width + j * kSetBytes);
+        for (int t = 0; t < 4; ++t)
+          for (int h = 0; h < 2; ++h) dst[(t * 2 + h) * 16 + L] = dw[4 * h + t];
+      }
+    }
+  }
+}
+
+Q8 quantize_lanes(const float* x, int64_t K, int64_t nb, const std::vector<int64_t>& row_of) {
+  Q8 a;
+  const int64_t M = static_cast<int64_t>(row_of.size());
+  a.nsets = (nb + kSet - 1) / kSet;
+  a.lanes.assign(M * a.nsets * kSetBytes, 0);
+  a.init.assign(M * a.nsets * kSet, 0);
+  a.half.assign(M * a.nsets * kSet, 0.0f);
+  // a lambda does not inherit the target attribute: the body is its own function
+  at::parallel_for(0, M, 8, [&](int64_t i0, int64_t i1) { quantize_lane_rows(a, x, K, nb, row_of.data(), i0, i1); });
+  return a;
+}
+
+// The 16 blocks of pass j of one weight row, decoded: w[2t] / w[2t + 1] = the low / high nibbles of every
+// lane's dword t as 2*E2M1 + 12, and the lanes' weight scales 2^(s - 127) (from the bits, as scale_table:
+// s = 0 is 2^-127, 0xFF NaN).
+struct Decoded {
+  __m512i w[8];
+  __m512 scale;
+};
+
+HZ_VNNI inline void decode_pass(const uint8_t* wb, const uint8_t* ws, int64_t nb, int64_t j, Decoded& d) {
+  const __m512i lut = _mm512_broadcast_i32x4(_mm_setr_epi8(12, 13, 14, 15, 16, 18, 20, 24, 12, 11, 10, 9, 8, 6, 4, 0));
+  const __m512i low4 = _mm512_set1_epi8(0x0F);
+  const int64_t blocks = std::min(kSet, nb - j * kSet);  // the last pass may hold fewer than 16
+  __m512i z[4];
+  for (int i = 0; i < 4; ++i) {
+    const int64_t bytes = std::clamp<int64_t>((blocks - 4 * i) * kBlockBytes, 0, 64);
+    const uint8_t* src = wb + (j * kSet + 4 * i) * kBlockBytes;
+    z[i] = bytes == 64 ? _mm512_loadu_si512(src)
+           : bytes == 0 ? _mm512_setzero_si512()
+                        : _mm512_maskz_loadu_epi8((~0ULL) >> (64 - bytes), src);  // zero bytes: weight 12, x 0
+  }
+  // 4x4 transpose of dwords: z[i] lane q dword t = block 4i+q dword t  ->  dword t of block 4i+q in lane 4q+i
+  const __m512i a0 = _mm512_unpacklo_epi32(z[0], z[1]), a1 = _mm512_unpackhi_epi32(z[0], z[1]);
+  const __m512i a2 = _mm512_unpacklo_epi32(z[2], z[3]), a3 = _mm512_unpackhi_epi32(z[2], z[3]);
+  const __m512i t4[4] = {_mm512_unpacklo_epi64(a0, a2), _mm512_unpackhi_epi64(a0, a2), _mm512_unpacklo_epi64(a1, a3),
+                         _mm512_unpackhi_epi64(a1, a3)};
+  for (int t = 0; t < 4; ++t) {
+    d.w[2 * t] = _mm512_shuffle_epi8(lut, _mm512_and_si512(t4[t], low4));
+    d.w[2 * t + 1] = _mm512_shuffle_epi8(lut, _mm512_and_si512(_mm512_srli_epi16(t4[t], 4), low4));
+  }
+  __m128i sb;
+  if (blocks == kSet) {
+    sb = _mm_loadu_si128(reinterpret_cast<const __m128i*>(ws + j * kSet));
+  } else {
+    alignas(16) uint8_t tail[16] = {0};
+    std::memcpy(tail, ws + j * kSet, blocks);
+    sb = _mm_load_si128(reinterpret_cast<const __m128i*>(tail));
+  }
+  const __m512i s = _mm512_permutexvar_epi32(_mm512_loadu_si512(kLaneBlock), _mm512_cvtepu8_epi32(sb));
+  __m512i bits = _mm512_slli_epi32(s, 23);
+  bits = _mm512_mask_mov_epi32(bits, _mm512_cmpeq_epi32_mask(s, _mm512_setzero_si512()), _mm512_set1_epi32(0x00400000));
+  bits = _mm512_mask_mov_epi32(bits, _mm512_cmpeq_epi32_mask(s, _mm512_set1_epi32(255)), _mm512_set1_epi32(0x7FC00000));
+  d.scale = _mm512_castsi512_ps(bits);
+}
+
+// Four vectors -> their four sums (fewer shuffles than four reductions), each summed in the same order.
+HZ_VNNI inline __m128 sum4(__m512 a, __m512 b, __m512 c, __m512 e) {
+  const __m512 ab = _mm512_add_ps(_mm512_unpacklo_ps(a, b), _mm512_unpackhi_ps(a, b));  // per 128 bits: a b a b
+  const __m512 ce = _mm512_add_ps(_mm512_unpacklo_ps(c, e), _mm512_unpackhi_ps(c, e));
+  const __m512 abce = _mm512_add_ps(_mm512_shuffle_ps(ab, ce, 0x44), _mm512_shuffle_ps(ab, ce, 0xEE));  // a b c e
+  const __m256 h = _mm256_add_ps(_mm512_castps512_ps256(abce),
+                                _mm256_castpd_ps(_mm512_extractf64x4_pd(_mm512_castps_pd(abce), 1)));
+  return _mm_add_ps(_mm256_castps256_ps128(h), _mm256_extractf128_ps(h, 1));
+}
+
+// R rows of x (grouped rows i0.., one expert) against output rows n..n+NT-1: R*NT independent chains, each
+// split in two int32 accumulators (low and high nibbles) so the vpdpbusd latency overlaps.
+template <int R, int NT>
+HZ_VNNI void q8_tile(const Problem& p, const Q8& a, int64_t expert, int64_t i0, int64_t n, float* res) {
+  const int64_t width = a.nsets * kSetBytes;
+  __m512 acc[R][NT];
+  for (int r = 0; r < R; ++r)
+    for (int t = 0; t < NT; ++t) acc[r][t] = _mm512_setzero_ps();
+  for (int64_t j = 0; j < a.nsets; ++j) {
+    for (int t = 0; t < NT; ++t) {  // one output row decoded at a time: 9 registers, no spills
+      Decoded d;
+      decode_pass(p.blk(expert, n + t), p.scl(expert, n + t), p.nb, j, d);
+      for (int r = 0; r < R; ++r) {
+        const int64_t i = i0 + r;
+        const int8_t* x = a.lanes.data() + i * width + j * kSetBytes;
+        __m512i lo = _mm512_loadu_si512(a.init.data() + (i * a.nsets + j) * 16), hi = _mm512_setzero_si512();
+        for (int k = 0; k < 8; k += 2) {
+          lo = _mm512_dpbusd_epi32(lo, d.w[k], _mm512_loadu_si512(x + 64 * k));
+          hi = _mm512_dpbusd_epi32(hi, d.w[k + 1], _mm512_loadu_si512(x + 64 * k + 64));
+        }
+        const __m512 half = _mm512_loadu_ps(a.half.data() + (i * a.nsets + j) * 16);
+        acc[r][t] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(_mm512_add_epi32(lo, hi)), _mm512_mul_ps(d.scale, half),
+                                    acc[r][t]);
+      }
+    }
+  }
+  // every row summed in the same order whatever R and NT are (a row's result never depends on its batch)
+  for (int r = 0; r < R; ++r) {
+    alignas(16) float sums[4];
+    _mm_store_ps(sums, sum4(acc[r][0], acc[r][1 % NT], acc[r][2 % NT], acc[r][3 % NT]));
+    for (int t = 0; t < NT; ++t) res[r * NT + t] = sums[t];
+  }
+}
+
+template <int R>
+HZ_VNNI void q8_rows(const Problem& p, const Q8& a, int64_t expert, int64_t i0, int64_t n0, int64_t n1) {
+  constexpr int NT = R <= 2 ? 4 : 2;
+  float res[R * NT];
+  int64_t n = n0;
+  for (; n + NT <= n1; n += NT) {
+    q8_tile<R, NT>(p, a, expert, i0, n, res);
+    for (int r = 0; r < R; ++r)
+      for (int t = 0; t < NT; ++t) p.out[p.row_of[i0 + r] * p.N + n + t] = res[r * NT + t];
+  }
+  for (; n < n1; ++n) {
+    q8_tile<R, 1>(p, a, expert, i0, n, res);
+    for (int r = 0; r < R; ++r) p.out[p.row_of[i0 + r] * p.N + n] = res[r];
+  }
+}
+
+using Q8Fn = void (*)(const Problem&, const Q8&, int64_t, int64_t, int64_t, int64_t);
+const Q8Fn kQ8[kQ8MaxRows] = {q8_rows<1>, q8_rows<2>, q8_rows<3>, q8_rows<4>};
+
+// Groups of more than 4 rows go 4 at a time over a tile of output rows that stays in L1, so their weights
+// are read from memory once and decoded once per 4 rows.
+void q8_avx512(const Problem& p, const Q8& a, int64_t n0, int64_t n1) {
+  constexpr int64_t kTile = 16;
+  for (const Group& g : *p.groups) {
+    for (int64_t t0 = n0; t0 < n1; t0 += kTile) {
+      const int64_t t1 = std::min(n1, t0 + kTile);
+      for (int64_t r = 0; r < g.count; r += kQ8MaxRows)
+        kQ8[std::min<int64_t>(kQ8MaxRows, g.count - r) - 1](p, a, g.expert, g.start + r, t0, t1);
+    }
+  }
+}
+
+#else
+
+bool cpu_has_vnni() { return false; }
+Q8 quantize_lanes(const float*, int64_t, int64_t, const std::vector<int64_t>&) { return {}; }
+void q8_avx512(const Problem& p, const Q8& a, int64_t n0, int64_t n1) { q8_portable(p, a, n0, n1); }
+
+#endif
+
+// ---------------------------------------------------------------------------------------------------
 
 at::Tensor mxfp4_expert_matmul(const at::Tensor& x_, const at::Tensor& blocks_, const at::Tensor& scales_,
-                               const at::Tensor& expert_, bool force_portable) {
+                               const at::Tensor& expert_, bool force_portable, bool int8_activations) {
   TORCH_CHECK(x_.device().is_cpu() && blocks_.device().is_cpu() && scales_.device().is_cpu() &&
                   expert_.device().is_cpu(),
               "mxfp4_expert_matmul: the kernel takes CPU tensors");
@@ -308,6 +601,26 @@ at::Tensor mxfp4_expert_matmul(const at::Tensor& x_, const at::Tensor& blocks_, 
   const std::vector<int64_t>& row_of = grouping.row_of;
   Problem p;
   p.groups = &grouping.groups;
+  p.blocks = blocks.data_ptr<uint8_t>();
+  p.scales = scales.data_ptr<uint8_t>();
+  p.N = N;
+  p.nb = nb;
+  p.Kp = Kp;
+  p.row_of = row_of.data();
+  p.out = out.data_ptr<float>();
+  if (int8_activations) {
+    const bool vnni = !force_portable && cpu_has_vnni();
+    const Q8 q8 = vnni ? quantize_lanes(x.data_ptr<float>(), K, nb, row_of)
+                       : quantize_rows(x.data_ptr<float>(), K, nb, row_of);
+    at::parallel_for(0, N, 16, [&](int64_t n0, int64_t n1) {
+      if (vnni) {
+        q8_avx512(p, q8, n0, n1);
+      } else {
+        q8_portable(p, q8, n0, n1);
+      }
+    });
+    return out;
+  }
 
   // x in group order, each block de-interleaved to [even | odd], zero past column K.
   std::vector<float> xg(M * Kp);
@@ -324,14 +637,7 @@ at::Tensor mxfp4_expert_matmul(const at::Tensor& x_, const at::Tensor& blocks_, 
     }
   }
 
-  p.blocks = blocks.data_ptr<uint8_t>();
-  p.scales = scales.data_ptr<uint8_t>();
-  p.N = N;
-  p.nb = nb;
-  p.Kp = Kp;
   p.xg = xg.data();
-  p.row_of = row_of.data();
-  p.out = out.data_ptr<float>();
   const bool avx512 = !force_portable && cpu_has_avx512();
   // grain: at least 16 output rows per thread, so a tiny matrix does not pay for waking every thread
   at::parallel_for(0, N, 16, [&](int64_t n0, int64_t n1) {
@@ -345,15 +651,17 @@ at::Tensor mxfp4_expert_matmul(const at::Tensor& x_, const at::Tensor& blocks_, 
 }
 
 bool has_avx512() { return cpu_has_avx512(); }
+bool has_vnni() { return cpu_has_vnni(); }
 
 }  // namespace
 
 // Its own namespace: horizon.quant.kernels wraps this in the `horizon::` custom op (the reference fallback
 // included); compiled graphs on a CPU with the kernel built call this one directly.
 TORCH_LIBRARY(horizon_kernels, m) {
-  m.def("mxfp4_expert_matmul(Tensor x, Tensor blocks, Tensor scales, Tensor expert, bool force_portable=False) "
-        "-> Tensor");
+  m.def("mxfp4_expert_matmul(Tensor x, Tensor blocks, Tensor scales, Tensor expert, bool force_portable=False, "
+        "bool int8_activations=False) -> Tensor");
   m.def("has_avx512() -> bool", &has_avx512);
+  m.def("has_vnni() -> bool", &has_vnni);
 }
 
 // A CPU kernel (not a composite one): a compiled graph calls it directly, with the fake registered in Python
