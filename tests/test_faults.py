@@ -228,24 +228,50 @@ def _requests(n: int, max_tokens: int = 8) -> list[Request]:
             for i in range(n)]
 
 
-def test_non_finite_logits_end_only_their_own_sequence(engine, monkeypatch):
-    reference = [r.token_ids for r in engine.generate(_requests(3))]
+def _poison_one_row(engine, monkeypatch, requests, poison):
+    """Every step's logits row of requests[1] is replaced by `poison(row)`."""
     forward = engine.model.forward_batch
-    requests = _requests(3)
 
-    def one_row_nan(tokens, batch, *args, **kwargs):
+    def poisoned(tokens, batch, *args, **kwargs):
         logits = forward(tokens, batch, *args, **kwargs)
         target = engine.sequences.get(requests[1].request_id)
         if target is not None:
-            logits[batch.slots == target.slot] = float("nan")  # that sequence's row only
+            rows = batch.slots == target.slot  # that sequence's row only
+            logits[rows] = poison(logits[rows])
         return logits
 
-    monkeypatch.setattr(engine.model, "forward_batch", one_row_nan)
+    monkeypatch.setattr(engine.model, "forward_batch", poisoned)
+
+
+@pytest.mark.parametrize("bad", ["nan", "inf", "-inf"])
+def test_non_finite_logits_end_only_their_own_sequence(engine, monkeypatch, bad):
+    reference = [r.token_ids for r in engine.generate(_requests(3))]
+    requests = _requests(3)
+
+    def poison(rows):
+        rows[..., 7] = float(bad)  # one logit of the row is enough
+        return rows
+
+    _poison_one_row(engine, monkeypatch, requests, poison)
     results = engine.generate(requests)
     assert results[1].finish.reason == "error" and "non-finite logits" in results[1].finish.error
     assert [results[0].token_ids, results[2].token_ids] == [reference[0], reference[2]]
     assert not engine.sequences and engine.scheduler.blocks.num_free + len(
         {b for e in engine.scheduler.prefix.entries.values() for b in e.blocks}) == engine.cache.num_blocks
+
+
+def test_huge_finite_logits_are_not_taken_for_non_finite(engine, monkeypatch):
+    """The engine checks a row's sum first (cheap); a sum that overflows to inf is rechecked exactly."""
+    requests = _requests(2)
+
+    def poison(rows):
+        rows[:] = 3e38  # finite, but their sum is not
+        rows[..., 11] = 3.4e38
+        return rows
+
+    _poison_one_row(engine, monkeypatch, requests, poison)
+    results = engine.generate(requests)
+    assert results[1].finish.reason == "length" and results[1].token_ids == [11] * 8
 
 
 def test_a_consumer_that_raises_ends_only_its_request_and_a_failed_step_leaves_the_engine_serving(engine,

@@ -362,7 +362,13 @@ class Engine:
         logits = self.runner.run(step, options)
         self._read_probe(options)
         if self.is_driver:
-            finite = torch.isfinite(logits).all(dim=-1).tolist()  # one check for the batch, not one per row
+            # one check for the batch, not one per row: a row's sum is finite only if each logit is (NaN and
+            # +-Inf carry through a sum) and costs ~1/30 of isfinite over the row; a sum that overflowed is
+            # rechecked exactly (16 rows of 32K logits: ~26 us against ~810)
+            finite = torch.isfinite(logits.sum(dim=-1))
+            if not bool(finite.all()):
+                finite = torch.isfinite(logits).all(dim=-1)
+            finite = finite.tolist()
             # one argmax for every row when several are plain greedy (row by row: ~30 us of overhead each)
             best = (logits.argmax(dim=-1).tolist() if sum(plain_greedy(seq.params) for seq, _ in plan) > 1
                     else [None] * len(plan))
