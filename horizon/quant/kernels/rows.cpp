@@ -105,18 +105,30 @@ HZ_AVX512F inline __m512 load16(const int8_t* p) {
   return _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(p))));
 }
 
+// Which weights a tile fetches ahead for the next L1 slice: the same NT rows `ahead` (nullptr: none) at
+// every `passes`-th cache line from line `phase`, so a slice's passes between them fetch the next slice
+// once, into L2, while they compute (see part_avx512).
+struct Ahead {
+  const void* rows = nullptr;
+  int64_t phase = 0, passes = 1;
+};
+
 // R rows of x against NT consecutive weight rows (stride K), results into res[R][NT].
 template <typename T, int R, int NT>
-HZ_AVX512F void tile(const T* w, const float* x, int64_t K, float* res) {
+HZ_AVX512F void tile(const T* w, const float* x, int64_t K, float* res, Ahead ahead = {}) {
   __m512 acc[R][NT];
   for (int r = 0; r < R; ++r)
     for (int t = 0; t < NT; ++t) acc[r][t] = _mm512_setzero_ps();
-  for (int64_t k = 0; k < K; k += 16) {
+  const T* next = static_cast<const T*>(ahead.rows);
+  // line % passes == phase, counted down (a division per step would cost as much as its FMAs)
+  for (int64_t k = 0, countdown = ahead.phase; k < K; k += 16, countdown = countdown ? countdown - 1 : ahead.passes - 1) {
     __m512 wv[NT];
+    const bool fetch = next != nullptr && countdown == 0;
     for (int t = 0; t < NT; ++t) {
       // the next tile's rows, one cache line per row and step: with several rows of x the FMAs take long
       // enough that the hardware prefetcher alone leaves the loads waiting on memory (measured: 7 GB/s)
       _mm_prefetch(reinterpret_cast<const char*>(w + (NT + t) * K + k), _MM_HINT_T0);
+      if (fetch) _mm_prefetch(reinterpret_cast<const char*>(next + t * K + k), _MM_HINT_T1);
       wv[t] = load16(w + t * K + k);
     }
     for (int r = 0; r < R; ++r) {
@@ -135,14 +147,17 @@ constexpr int tile_rows() {
   return R <= 2 ? 8 : 6;
 }
 
+// Rows n0..n1 of expert e's matrix; `next` / `next_rows`: the rows the next slice starts with (and how
+// many), fetched ahead as `ahead` says (phase, passes).
 template <typename T, int R>
 HZ_AVX512F void rows_block(const Work<T>& p, int64_t e, const float* x, const int64_t* rows, int64_t n0,
-                           int64_t n1) {
+                           int64_t n1, const T* next, int64_t next_rows, Ahead ahead) {
   constexpr int NT = tile_rows<R>();
   float res[R * NT];
   int64_t n = n0;
   for (; n + NT <= n1; n += NT) {
-    tile<T, R, NT>(p.row(e, n), x, p.K, res);
+    ahead.rows = next != nullptr && n - n0 + NT <= next_rows ? next + (n - n0) * p.K : nullptr;
+    tile<T, R, NT>(p.row(e, n), x, p.K, res, ahead);
     for (int r = 0; r < R; ++r)
       for (int t = 0; t < NT; ++t) p.out[rows[r] * p.N + n + t] = res[r * NT + t];
   }
@@ -154,22 +169,28 @@ HZ_AVX512F void rows_block(const Work<T>& p, int64_t e, const float* x, const in
 
 template <typename T>
 HZ_AVX512F void part_avx512(const Work<T>& p, int64_t n0, int64_t n1) {
-  using Fn = void (*)(const Work<T>&, int64_t, const float*, const int64_t*, int64_t, int64_t);
+  using Fn = void (*)(const Work<T>&, int64_t, const float*, const int64_t*, int64_t, int64_t, const T*, int64_t,
+                      Ahead);
   static const Fn block[kMaxRows] = {rows_block<T, 1>, rows_block<T, 2>, rows_block<T, 3>, rows_block<T, 4>};
   const int64_t row_bytes = p.K * static_cast<int64_t>(sizeof(float));
   for (const hz::Group& g : *p.groups) {
     // More than kMaxRows rows of x: weight rows in slices of about L1's 32 KB (of fp32), each read from
     // memory once and from L1 by the group's later row tiles; a whole number of every pass's tiles
     // (tile_rows: 6, or 8 for a last pass of 1-2 rows of x), so no slice ends in single-row tiles. One
-    // pass: no slices.
+    // pass: no slices. While a slice's passes compute, they fetch the next slice into L2, each pass a
+    // share of its cache lines: a slice's first pass then reads L2, not memory, and the memory traffic
+    // overlaps the FMAs instead of adding to them (fetched only by the first pass, it did not).
     const int64_t last = g.count % kMaxRows;
     const int64_t unit = last == 1 || last == 2 ? 24 : 6;
     const int64_t slice = g.count <= kMaxRows ? n1 - n0 : std::max(unit, (32 * 1024) / row_bytes / unit * unit);
+    const int64_t passes = (g.count + kMaxRows - 1) / kMaxRows;
     for (int64_t s0 = n0; s0 < n1; s0 += slice) {
       const int64_t s1 = std::min(n1, s0 + slice);
-      for (int64_t r0 = 0; r0 < g.count; r0 += kMaxRows) {
+      const T* next = passes > 1 && s1 < n1 ? p.row(g.expert, s1) : nullptr;
+      for (int64_t r0 = 0, pass = 0; r0 < g.count; r0 += kMaxRows, ++pass) {
         const int R = static_cast<int>(std::min<int64_t>(kMaxRows, g.count - r0));
-        block[R - 1](p, g.expert, p.xg + (g.start + r0) * p.K, p.row_of + g.start + r0, s0, s1);
+        block[R - 1](p, g.expert, p.xg + (g.start + r0) * p.K, p.row_of + g.start + r0, s0, s1, next,
+                     std::min(slice, n1 - s1), Ahead{nullptr, pass, passes});
       }
     }
   }
