@@ -11,10 +11,18 @@ measures
   `model.forward_batch`, alternating the two models for --repeats rounds (the machine is shared,
   so medians of interleaved runs); plus the time the per-step dequantisation alone takes.
 Prints one JSON object per measurement and a summary: byte ratios are MXFP4 / bf16 (smaller is better),
-decode_speedup is bf16 time / MXFP4 time (> 1: MXFP4 decodes faster).
+decode_speedup is bf16 time / MXFP4 time (> 1: MXFP4 decodes faster). The logits error of int8 activations
+(`set_int8_activations`, against the same MXFP4 model with fp32 activations) is reported beside.
+
+--kernel measures the fused kernel alone instead: `mxfp4_expert_matmul` with fp32 against int8
+activations on the preset's expert shapes (gate_up and down), with the rows a decode step of 1, 4, 16 and
+64 sequences routes (batch x experts per token, each row to distinct experts, as the router picks them)
+and 256 (a prefill chunk), weights cycled through copies larger than the last-level cache (cold, as in a
+step), rounds interleaved, medians; speedup = fp32 time / int8 time.
 
     python bench/mxfp4.py [--preset small] [--prompt 64] [--decode-steps 16] [--repeats 5] [--attention]
                           [--threads N]
+    python bench/mxfp4.py --kernel [--preset small] [--repeats 5] [--threads N]
 """
 
 from __future__ import annotations
@@ -31,7 +39,7 @@ import torch
 from horizon import ModelConfig
 from horizon.model import Batch, HorizonForCausalLM
 from horizon.model.moe import Experts
-from horizon.quant import MXFP4Experts, MXFP4Linear, dequantize, quantize_model
+from horizon.quant import MXFP4Experts, MXFP4Linear, dequantize, quantize, quantize_model, set_int8_activations
 
 
 def resident_bytes(model: torch.nn.Module) -> int:
@@ -128,6 +136,48 @@ def dequant_ms_per_step(model: HorizonForCausalLM, reps: int = 5) -> float:
     return 1000 * (time.perf_counter() - t0) / reps
 
 
+def call_us(op, x: torch.Tensor, copies: list, ids: list, q8: bool, calls: int) -> float:
+    """Microseconds per kernel call, cycling through the weight copies (after one warm-up call)."""
+    op(x, *copies[0], ids[0], False, q8)
+    t0 = time.perf_counter()
+    for i in range(calls):
+        op(x, *copies[i % len(copies)], ids[i % len(copies)], False, q8)
+    return (time.perf_counter() - t0) / calls * 1e6
+
+
+def kernel_bench(cfg: ModelConfig, preset: str, repeats: int, seed: int) -> None:
+    """fp32 against int8 activations in the fused kernel (the module docstring's --kernel)."""
+    from horizon.quant.kernels import has_vnni, kernel_available
+
+    if not kernel_available():
+        raise SystemExit("bench/mxfp4.py --kernel: the C++ kernel did not build (see the warning above)")
+    op = torch.ops.horizon_kernels.mxfp4_expert_matmul
+    E, d, f, k = cfg.n_routed_experts, cfg.hidden_size, cfg.moe_intermediate_size, cfg.num_experts_per_tok
+    gen = torch.Generator().manual_seed(seed)
+    results = []
+    for name, (N, K) in {"gate_up": (2 * f, d), "down": (d, f)}.items():
+        one = E * N * (K // 32) * 17  # packed bytes of one stack of E experts
+        copies = [quantize(torch.randn(E, N, K, generator=gen) * K ** -0.5) for _ in range(max(2, (256 << 20) // one))]
+        for rows in (1 * k, 4 * k, 16 * k, 64 * k, 256):
+            x = torch.randn(rows, K, generator=gen)
+            ids = [torch.stack([torch.randperm(E, generator=gen)[:k] for _ in range(-(-rows // k))]).flatten()[:rows]
+                   for _ in range(len(copies))]
+            calls = max(8, min(200, 4000 // rows))
+
+            fp32, int8 = [], []
+            for r in range(repeats):
+                for q8 in ((False, True) if r % 2 == 0 else (True, False)):
+                    (int8 if q8 else fp32).append(call_us(op, x, copies, ids, q8, calls))
+            a, b = statistics.median(fp32), statistics.median(int8)
+            results.append({"matrix": name, "N": N, "K": K, "experts": E, "rows": rows, "fp32_us": round(a, 1),
+                            "int8_us": round(b, 1), "speedup": round(a / b, 3),
+                            "paired": [round(x / y, 3) for x, y in zip(fp32, int8, strict=True)]})
+            print(json.dumps(results[-1]), flush=True)
+    print(json.dumps({"bench": "mxfp4-kernel", "preset": preset,
+                      "vnni": has_vnni(), "threads": torch.get_num_threads(), "torch": torch.__version__,
+                      "repeats": repeats, "results": results}))
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--preset", default="small")
@@ -138,9 +188,13 @@ def main() -> None:
     ap.add_argument("--attention", action="store_true", help="also quantise the attention projections")
     ap.add_argument("--threads", type=int, default=None, help="torch threads (default: torch's choice)")
     ap.add_argument("--seed", type=int, default=0)
+    ap.add_argument("--kernel", action="store_true", help="time the fused kernel alone, fp32 vs int8 activations")
     args = ap.parse_args()
     if args.threads:
         torch.set_num_threads(args.threads)
+    if args.kernel:
+        kernel_bench(ModelConfig.preset(args.preset), args.preset, args.repeats, args.seed)
+        return
 
     cfg = ModelConfig.preset(args.preset).replace(dtype=args.dtype)
     torch.manual_seed(args.seed)
@@ -164,6 +218,10 @@ def main() -> None:
     noisy = with_expert_noise(full, error["expert_weights_rms_rel_err"], args.seed)
     error["noise_baseline"] = logits_error(full, noisy, prompts)
     del noisy
+    q8 = copy.deepcopy(quant)
+    set_int8_activations(q8)
+    error["int8_activations_vs_fp32_activations"] = logits_error(quant, q8, prompts)
+    del q8
     print(json.dumps({"logits": error}), flush=True)
 
     ids = torch.randint(0, cfg.vocab_size, (args.prompt,), generator=gen)
@@ -191,6 +249,10 @@ def main() -> None:
             "logits_rms_rel_err": round(error["rms_err_over_rms_logit"], 4),
             "logits_rms_rel_err_same_size_noise": round(error["noise_baseline"]["rms_err_over_rms_logit"], 4),
             "logits_mean_cosine": round(error["mean_cosine"], 5),
+            "int8_activations_logits_rms_rel_err": round(
+                error["int8_activations_vs_fp32_activations"]["rms_err_over_rms_logit"], 4),
+            "int8_activations_top1_agreement": round(
+                error["int8_activations_vs_fp32_activations"]["top1_agreement"], 4),
             "top1_agreement": round(error["top1_agreement"], 4),
             "decode_ms_bf16": round(bf16_ms, 2), "decode_ms_mxfp4": round(mxfp4_ms, 2),
             "decode_tok_per_s_bf16": round(1000 / bf16_ms, 2), "decode_tok_per_s_mxfp4": round(1000 / mxfp4_ms, 2),

@@ -127,6 +127,29 @@ def test_no_recompiles_as_the_context_grows(pair):
     assert all((a - b).abs().max().item() <= 1e-5 * max(1.0, b.abs().max().item()) for a, b in steps)
 
 
+def test_runners_over_different_models_keep_their_own_graphs(pair, model):
+    """The compiled step skips dynamo's guards on module state (the runner gives it a forward of its own
+    instead): a second runner over a model of another structure (MXFP4 experts) in the same process
+    compiles its own graph and matches its eager reference, and the first runner's graph is untouched."""
+    import copy
+
+    from horizon.quant import quantize_model
+
+    other = quantize_model(copy.deepcopy(model))
+    second = tuple(ModelRunner(other, HorizonCache(other.config, 4, 128, dtype=torch.float32, block_size=16),
+                               compile=c, buckets=(1, 4)) for c in (True, False))
+    ps = prompts(6)
+    prefill(pair, ps)
+    prefill(second, ps)
+    for runners in (second, pair, second):
+        steps = decode_both(runners, ps, 2)
+        assert all((a - b).abs().max().item() <= 1e-5 * max(1.0, b.abs().max().item()) for a, b in steps)
+    assert second[0].graphs_seen == {(1, False)}
+    step = StepInputs([[ps[0][-1]]], [len(ps[0])], [0])
+    # the two models differ, so a graph shared between the runners would have shown above
+    assert (second[0].run(step) - pair[0].run(step)).abs().max() > 1e-3
+
+
 @pytest.fixture(scope="module")
 def engines(model):
     cfg = dict(max_num_seqs=4, max_batch_tokens=64, max_model_len=256, block_size=16)

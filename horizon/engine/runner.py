@@ -25,6 +25,7 @@ import inspect
 import logging
 import os
 import time
+import types
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -205,17 +206,32 @@ class ModelRunner:
 
                 options = dict(CPU_OPTIONS, post_grad_custom_post_pass=FewRowMatmuls()) if kernel_available() \
                     else CPU_OPTIONS
-            # dynamo keeps at most `recompile_limit` graphs per code object, and every runner of the process
-            # compiles the same DecodeStep.forward: room for this runner's buckets, dense and sparse (past
-            # the default 8, a ninth graph is a hard failure under fullgraph: a server under load at bucket
-            # 32 with three weight formats, or one engine whose buckets run to 256)
+            # dynamo keeps at most `recompile_limit` graphs per code object (this runner's forward, below,
+            # holds one per bucket, dense and sparse; past the default 8, a ninth graph is a hard failure
+            # under fullgraph: an engine whose buckets run to 256): room for this runner's buckets
             dynamo_config = torch._dynamo.config
             dynamo_config.recompile_limit += 2 * len(self.buckets)
             dynamo_config.accumulated_recompile_limit = max(dynamo_config.accumulated_recompile_limit,
                                                             2 * dynamo_config.recompile_limit)
-            self._graph = torch.compile(DecodeStep(self.model, self.cache), fullgraph=True, dynamic=False, mode=mode,
+            # Dynamo's guards on the module state (every parameter's and cache tensor's metadata, each
+            # module's identity) cost ~0.8 ms a step, 8% of a batch-1 `small` step, and never fail here:
+            # the runner's model and cache keep their tensors for its lifetime (graphs are built for the
+            # weights as they are; training keeps the eager engine). They are skipped, and what they also
+            # did, keeping apart the graphs of two runners in one process, a forward of this runner's own
+            # does: dynamo caches graphs per code object. The guards on the step's inputs (batch bucket,
+            # context length, dense or sparse) stay. On CPU only: torch.compile takes no options beside
+            # CUDA's mode="reduce-overhead" (untested here: no GPU), so CUDA keeps every guard.
+            step = type("DecodeStep", (DecodeStep,), {"forward": _own_code(DecodeStep.forward)})
+            if mode is None:
+                options = dict(options, guard_filter_fn=torch.compiler.skip_guard_on_all_nn_modules_unsafe)
+            self._graph = torch.compile(step(self.model, self.cache), fullgraph=True, dynamic=False, mode=mode,
                                         options=options)
         return self._graph
+
+
+def _own_code(fn):
+    """fn with a copy of its code object (equal, not the same: dynamo's graph cache is per code object)."""
+    return types.FunctionType(fn.__code__.replace(), fn.__globals__, fn.__name__, fn.__defaults__, fn.__closure__)
 
 
 
