@@ -15,10 +15,11 @@ decode_speedup is bf16 time / MXFP4 time (> 1: MXFP4 decodes faster). The logits
 (`set_int8_activations`, against the same MXFP4 model with fp32 activations) is reported beside.
 
 --kernel measures the fused kernel alone instead: `mxfp4_expert_matmul` with fp32 against int8
-activations on the preset's expert shapes (gate_up and down), with the rows a decode step of 1, 4, 16 and
-64 sequences routes (batch x experts per token, each row to distinct experts, as the router picks them)
-and 256 (a prefill chunk), weights cycled through copies larger than the last-level cache (cold, as in a
-step), rounds interleaved, medians; speedup = fp32 time / int8 time.
+activations on the preset's expert shapes (gate_up and down), with the rows a step of 1, 4, 16 and 64
+sequences routes (tokens x experts per token, each token to distinct experts, as the router picks them)
+and of 256 tokens (a prefill chunk), weights cycled through copies larger than the last-level cache
+(cold, as in a step), rounds interleaved, medians; speedup = fp32 time / int8 time, and the packed bytes
+of the experts a call touches per second against a cold read measured in the same run (the limit).
 
     python bench/mxfp4.py [--preset small] [--prompt 64] [--decode-steps 16] [--repeats 5] [--attention]
                           [--threads N]
@@ -136,6 +137,12 @@ def dequant_ms_per_step(model: HorizonForCausalLM, reps: int = 5) -> float:
     return 1000 * (time.perf_counter() - t0) / reps
 
 
+def timed_once(fn) -> float:
+    t0 = time.perf_counter()
+    fn()
+    return time.perf_counter() - t0
+
+
 def call_us(op, x: torch.Tensor, copies: list, ids: list, q8: bool, calls: int) -> float:
     """Microseconds per kernel call, cycling through the weight copies (after one warm-up call)."""
     op(x, *copies[0], ids[0], False, q8)
@@ -154,28 +161,36 @@ def kernel_bench(cfg: ModelConfig, preset: str, repeats: int, seed: int) -> None
     op = torch.ops.horizon_kernels.mxfp4_expert_matmul
     E, d, f, k = cfg.n_routed_experts, cfg.hidden_size, cfg.moe_intermediate_size, cfg.num_experts_per_tok
     gen = torch.Generator().manual_seed(seed)
+    big = torch.ones(64 << 20)  # the physical limit: a cold 256 MB read, the best of 5
+    read = big.nbytes / min(timed_once(big.sum) for _ in range(5)) / 1e9
+    del big
+    print(json.dumps({"read_GBps": round(read, 2)}), flush=True)
     results = []
     for name, (N, K) in {"gate_up": (2 * f, d), "down": (d, f)}.items():
         one = E * N * (K // 32) * 17  # packed bytes of one stack of E experts
         copies = [quantize(torch.randn(E, N, K, generator=gen) * K ** -0.5) for _ in range(max(2, (256 << 20) // one))]
-        for rows in (1 * k, 4 * k, 16 * k, 64 * k, 256):
+        for tokens in (1, 4, 16, 64, 256):  # a decode step of that many sequences (256: a prefill chunk)
+            rows = tokens * k  # each token's row goes to k distinct experts
             x = torch.randn(rows, K, generator=gen)
-            ids = [torch.stack([torch.randperm(E, generator=gen)[:k] for _ in range(-(-rows // k))]).flatten()[:rows]
+            ids = [torch.stack([torch.randperm(E, generator=gen)[:k] for _ in range(tokens)]).flatten()
                    for _ in range(len(copies))]
+            touched = statistics.mean(len(i.unique()) for i in ids) * N * (K // 32) * 17  # packed bytes read
             calls = max(8, min(200, 4000 // rows))
-
             fp32, int8 = [], []
             for r in range(repeats):
                 for q8 in ((False, True) if r % 2 == 0 else (True, False)):
                     (int8 if q8 else fp32).append(call_us(op, x, copies, ids, q8, calls))
             a, b = statistics.median(fp32), statistics.median(int8)
-            results.append({"matrix": name, "N": N, "K": K, "experts": E, "rows": rows, "fp32_us": round(a, 1),
-                            "int8_us": round(b, 1), "speedup": round(a / b, 3),
+            results.append({"matrix": name, "N": N, "K": K, "experts": E, "tokens": tokens, "rows": rows,
+                            "fp32_us": round(a, 1), "int8_us": round(b, 1), "speedup": round(a / b, 3),
+                            "weight_GBps_fp32": round(touched / a / 1e3, 2),
+                            "weight_GBps_int8": round(touched / b / 1e3, 2),
+                            "int8_fraction_of_read_bandwidth": round(touched / b / 1e3 / read, 3),
                             "paired": [round(x / y, 3) for x, y in zip(fp32, int8, strict=True)]})
             print(json.dumps(results[-1]), flush=True)
     print(json.dumps({"bench": "mxfp4-kernel", "preset": preset,
                       "vnni": has_vnni(), "threads": torch.get_num_threads(), "torch": torch.__version__,
-                      "repeats": repeats, "results": results}))
+                      "repeats": repeats, "read_GBps": round(read, 2), "results": results}))
 
 
 def main() -> None:
