@@ -421,7 +421,7 @@ def check_finite_weights(model: HorizonForCausalLM, source: str) -> None:
                          "to load it anyway skip this check: check_finite=False, or `horizon serve --no-weight-check`")
 
 
-def _check_dense(dense: str | None, mxfp4_activations: str | None = None) -> None:
+def _check_formats(dense: str | None, mxfp4_activations: str | None = None) -> None:
     if dense not in (None, *DENSE_FORMATS):
         raise ValueError(f"dense={dense!r} is not supported; allowed: None (the stored weights), "
                          f"{', '.join(map(repr, DENSE_FORMATS))}")
@@ -478,7 +478,7 @@ def load(path: str | Path, dtype: torch.dtype | None = None, device="cpu", check
     layout: this rank's part of a tensor / expert-parallel model (horizon.parallel.shard). A Horizon
     checkpoint is read slice by slice; another family's tensors are converted one at a time, then cut.
     """
-    _check_dense(dense, mxfp4_activations)
+    _check_formats(dense, mxfp4_activations)
     path = Path(path)
     config, method, family = read_config(path)
     if family is None:
@@ -540,7 +540,7 @@ def open_model(path: str | Path | None = None, dtype: torch.dtype | None = None,
     """
     from horizon.chat import load_tokenizer
 
-    _check_dense(dense, mxfp4_activations)
+    _check_formats(dense, mxfp4_activations)
     if str(path) == RANDOM or ((path is None or str(path) == BUNDLED) and not (BUNDLED_DIR / CONFIG).is_file()):
         model = HorizonForCausalLM(ModelConfig.preset("tiny"), init=False)
         model.init_weights(seed=0)  # the same weights on every machine

@@ -27,7 +27,7 @@ from torch import nn
 from horizon.model.dsa import GatedDSA
 from horizon.model.kda import KimiDeltaAttention
 from horizon.model.moe import Experts, local_assignments
-from horizon.quant.kernels import dequantize_activations, kernel_available, mxfp4_matmul, quantize_activations
+from horizon.quant.kernels import kernel_available, mxfp4_matmul, round_activations
 from horizon.quant.mxfp4 import BLOCK, BLOCK_BYTES, dequantize, quantize
 
 # The attention projections `quantize_model(attention=True)` stores as MXFP4: the big q/k/v/output
@@ -48,11 +48,8 @@ def _packed_buffers(module: nn.Module, name: str, lead: tuple[int, ...], cols: i
 
 
 def _rounded(x: torch.Tensor, int8_activations: bool) -> torch.Tensor:
-    """x as the kernel takes it: rounded to int8 per 32-wide block with int8_activations (the
-    dequantising path's half of that mode), else unchanged."""
-    if not int8_activations or x.shape[-1] == 0:
-        return x
-    return dequantize_activations(*quantize_activations(x.reshape(-1, x.shape[-1]))).to(x.dtype).view(x.shape)
+    """x as the kernel takes it, for the dequantising path: rounded to int8 with int8_activations."""
+    return round_activations(x) if int8_activations else x
 
 
 def _quantized(weight: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
@@ -98,16 +95,15 @@ class MXFP4Experts(nn.Module):
         return dequantize(getattr(self, f"{name}_blocks")[e], getattr(self, f"{name}_scales")[e], dtype, cols)
 
     def expert(self, e: int, x: torch.Tensor) -> torch.Tensor:
+        q8 = self.int8_activations
         if x.device.type == "cpu" and kernel_available():
             # the kernel on expert e's slice (a view, ids all 0): the packed bytes are decoded in registers
             zeros = torch.zeros(x.shape[0], dtype=torch.long)
-            q8 = self.int8_activations
             gate, up = mxfp4_matmul(x, self.gate_up_proj_blocks[e:e + 1], self.gate_up_proj_scales[e:e + 1],
                                     zeros, q8).to(x.dtype).chunk(2, dim=-1)
             # rounded to x.dtype between the matmuls, as F.linear in that dtype rounds its output
             return mxfp4_matmul(F.silu(gate) * up, self.down_proj_blocks[e:e + 1], self.down_proj_scales[e:e + 1],
                                 zeros, q8).to(x.dtype)
-        q8 = self.int8_activations
         gate, up = F.linear(_rounded(x, q8), self.weight("gate_up_proj", e, x.dtype)).chunk(2, dim=-1)
         return F.linear(_rounded(F.silu(gate) * up, q8), self.weight("down_proj", e, x.dtype))
 

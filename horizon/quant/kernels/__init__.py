@@ -173,6 +173,14 @@ def dequantize_activations(q: torch.Tensor, scale: torch.Tensor) -> torch.Tensor
     return q.float() * scale.repeat_interleave(BLOCK, dim=1)[:, :q.shape[1]]
 
 
+def round_activations(x: torch.Tensor) -> torch.Tensor:
+    """x [..., K] through the int8 rounding (`quantize_activations`, then back), in x's shape and dtype: what
+    the kernel multiplies with int8_activations, for the reference and the dequantising fallbacks."""
+    if x.shape[-1] == 0:
+        return x
+    return dequantize_activations(*quantize_activations(x.reshape(-1, x.shape[-1]))).to(x.dtype).view(x.shape)
+
+
 def mxfp4_expert_matmul_reference(x: torch.Tensor, blocks: torch.Tensor, scales: torch.Tensor,
                                   expert: torch.Tensor, int8_activations: bool = False) -> torch.Tensor:
     """The op in pure PyTorch: each routed expert dequantised to fp32 (horizon.quant.mxfp4.dequantize),
@@ -180,7 +188,7 @@ def mxfp4_expert_matmul_reference(x: torch.Tensor, blocks: torch.Tensor, scales:
     expert ids on the host (fine for a reference and a fallback)."""
     _check(x, blocks, scales, expert)
     K = x.shape[1]
-    x = dequantize_activations(*quantize_activations(x)) if int8_activations and K else x.float()
+    x = round_activations(x.float()) if int8_activations else x.float()
     out = torch.zeros(x.shape[0], blocks.shape[1], dtype=torch.float32, device=x.device)
     if K == 0:
         return out
@@ -291,5 +299,5 @@ def rows_matmul(x: torch.Tensor, w: torch.Tensor, expert: torch.Tensor | None = 
 
 
 __all__ = ["cache_dir", "dequantize_activations", "has_avx512", "has_vnni", "kernel_available", "mxfp4_expert_matmul",
-           "mxfp4_expert_matmul_reference", "mxfp4_matmul", "quantize_activations", "rows_matmul",
-           "rows_matmul_reference"]
+           "mxfp4_expert_matmul_reference", "mxfp4_matmul", "quantize_activations", "round_activations",
+           "rows_matmul", "rows_matmul_reference"]

@@ -384,43 +384,41 @@ bool cpu_has_vnni() {
 HZ_VNNI void quantize_lane_rows(Q8& a, const float* x, int64_t K, int64_t nb, const int64_t* row_of, int64_t i0,
                                 int64_t i1) {
   const int64_t width = a.nsets * kSetBytes;
-  {  // (the body's indentation is the parallel_for's it runs in)
-    const __m256i split = _mm256_setr_epi8(0, 2, 4, 6, 8, 10, 12, 14, 1, 3, 5, 7, 9, 11, 13, 15,
-                                           0, 2, 4, 6, 8, 10, 12, 14, 1, 3, 5, 7, 9, 11, 13, 15);
-    const __m512 lo = _mm512_set1_ps(-127.0f), hi = _mm512_set1_ps(127.0f);
-    for (int64_t i = i0; i < i1; ++i) {
-      const float* src = x + row_of[i] * K;
-      for (int64_t b = 0; b < nb; ++b) {
-        const int64_t k0 = b * kBlock, n = std::min(kBlock, K - k0);
-        const __mmask16 m0 = n >= 16 ? 0xFFFF : (1u << n) - 1, m1 = n >= 32 ? 0xFFFF : n <= 16 ? 0 : (1u << (n - 16)) - 1;
-        const __m512 v0 = _mm512_maskz_loadu_ps(m0, src + k0), v1 = _mm512_maskz_loadu_ps(m1, src + k0 + 16);
-        // finite: v - v is 0 (NaN for NaN and +-Inf)
-        const __mmask16 f0 = _mm512_cmp_ps_mask(_mm512_sub_ps(v0, v0), _mm512_setzero_ps(), _CMP_EQ_OQ);
-        const __mmask16 f1 = _mm512_cmp_ps_mask(_mm512_sub_ps(v1, v1), _mm512_setzero_ps(), _CMP_EQ_OQ);
-        const int64_t j = b / kSet, L = kLaneBlock[b % kSet];
-        float& half = a.half[(i * a.nsets + j) * 16 + L];
-        if ((f0 & f1) != 0xFFFF) {
-          half = std::numeric_limits<float>::quiet_NaN();
-          continue;
-        }
-        const float amax = _mm512_reduce_max_ps(_mm512_max_ps(_mm512_abs_ps(v0), _mm512_abs_ps(v1)));
-        const float s = amax / 127.0f;
-        half = 0.5f * s;
-        if (s == 0.0f) continue;
-        const __m512 sv = _mm512_set1_ps(s);
-        const int rnd = _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC;
-        const __m512i q0 = _mm512_cvtps_epi32(_mm512_min_ps(hi, _mm512_max_ps(lo, _mm512_roundscale_ps(_mm512_div_ps(v0, sv), rnd))));
-        const __m512i q1 = _mm512_cvtps_epi32(_mm512_min_ps(hi, _mm512_max_ps(lo, _mm512_roundscale_ps(_mm512_div_ps(v1, sv), rnd))));
-        a.init[(i * a.nsets + j) * 16 + L] = -12 * (_mm512_reduce_add_epi32(q0) + _mm512_reduce_add_epi32(q1));
-        const __m256i natural = _mm256_set_m128i(_mm512_cvtepi32_epi8(q1), _mm512_cvtepi32_epi8(q0));
-        // per 128 bits [8 even | 8 odd]; qwords (0, 2, 1, 3): [16 even | 16 odd] = dwords (h, t) at 4h + t
-        alignas(32) int32_t dw[8];
-        _mm256_store_si256(reinterpret_cast<__m256i*>(dw),
-                           _mm256_permute4x64_epi64(_mm256_shuffle_epi8(natural, split), 0xD8));
-        int32_t* dst = reinterpret_cast<int32_t*>(a.lanes.data() + i * width + j * kSetBytes);
-        for (int t = 0; t < 4; ++t)
-          for (int h = 0; h < 2; ++h) dst[(t * 2 + h) * 16 + L] = dw[4 * h + t];
+  const __m256i split = _mm256_setr_epi8(0, 2, 4, 6, 8, 10, 12, 14, 1, 3, 5, 7, 9, 11, 13, 15,
+                                         0, 2, 4, 6, 8, 10, 12, 14, 1, 3, 5, 7, 9, 11, 13, 15);
+  const __m512 lo = _mm512_set1_ps(-127.0f), hi = _mm512_set1_ps(127.0f);
+  for (int64_t i = i0; i < i1; ++i) {
+    const float* src = x + row_of[i] * K;
+    for (int64_t b = 0; b < nb; ++b) {
+      const int64_t k0 = b * kBlock, n = std::min(kBlock, K - k0);
+      const __mmask16 m0 = n >= 16 ? 0xFFFF : (1u << n) - 1, m1 = n >= 32 ? 0xFFFF : n <= 16 ? 0 : (1u << (n - 16)) - 1;
+      const __m512 v0 = _mm512_maskz_loadu_ps(m0, src + k0), v1 = _mm512_maskz_loadu_ps(m1, src + k0 + 16);
+      // finite: v - v is 0 (NaN for NaN and +-Inf)
+      const __mmask16 f0 = _mm512_cmp_ps_mask(_mm512_sub_ps(v0, v0), _mm512_setzero_ps(), _CMP_EQ_OQ);
+      const __mmask16 f1 = _mm512_cmp_ps_mask(_mm512_sub_ps(v1, v1), _mm512_setzero_ps(), _CMP_EQ_OQ);
+      const int64_t j = b / kSet, L = kLaneBlock[b % kSet];
+      float& half = a.half[(i * a.nsets + j) * 16 + L];
+      if ((f0 & f1) != 0xFFFF) {
+        half = std::numeric_limits<float>::quiet_NaN();
+        continue;
       }
+      const float amax = _mm512_reduce_max_ps(_mm512_max_ps(_mm512_abs_ps(v0), _mm512_abs_ps(v1)));
+      const float s = amax / 127.0f;
+      half = 0.5f * s;
+      if (s == 0.0f) continue;
+      const __m512 sv = _mm512_set1_ps(s);
+      const int rnd = _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC;
+      const __m512i q0 = _mm512_cvtps_epi32(_mm512_min_ps(hi, _mm512_max_ps(lo, _mm512_roundscale_ps(_mm512_div_ps(v0, sv), rnd))));
+      const __m512i q1 = _mm512_cvtps_epi32(_mm512_min_ps(hi, _mm512_max_ps(lo, _mm512_roundscale_ps(_mm512_div_ps(v1, sv), rnd))));
+      a.init[(i * a.nsets + j) * 16 + L] = -12 * (_mm512_reduce_add_epi32(q0) + _mm512_reduce_add_epi32(q1));
+      const __m256i natural = _mm256_set_m128i(_mm512_cvtepi32_epi8(q1), _mm512_cvtepi32_epi8(q0));
+      // per 128 bits [8 even | 8 odd]; qwords (0, 2, 1, 3): [16 even | 16 odd] = dwords (h, t) at 4h + t
+      alignas(32) int32_t dw[8];
+      _mm256_store_si256(reinterpret_cast<__m256i*>(dw),
+                         _mm256_permute4x64_epi64(_mm256_shuffle_epi8(natural, split), 0xD8));
+      int32_t* dst = reinterpret_cast<int32_t*>(a.lanes.data() + i * width + j * kSetBytes);
+      for (int t = 0; t < 4; ++t)
+        for (int h = 0; h < 2; ++h) dst[(t * 2 + h) * 16 + L] = dw[4 * h + t];
     }
   }
 }
