@@ -45,15 +45,30 @@ def assert_matches(got, want):
 @pytest.mark.parametrize("M,N,K", [(1, 7, 64), (2, 300, 512), (9, 33, 48), (17, 16, 40), (64, 70, 128), (5, 100, 1024),
                                    (6, 50, 2048)])
 def test_one_matrix_equals_the_reference(portable, dtype, M, N, K):
-    # M 5 / 6 / 9 / 17 / 64: row tiles of 4 and a remainder, over weight slices of 24 rows (a last pass of one
-    # or two rows) or 60; N 7 / 33 / 50 / 70 / 100: weight-row tails; K 40: not a multiple of 16 (the portable
-    # path whichever is asked)
+    # M 5 / 6 / 9 / 17 / 64: row tiles of 4 and a remainder, over weight slices of 8 to 168 rows (a whole
+    # number of 8-row tiles where the last pass has one or two rows); N 7 / 33 / 50 / 70 / 100: weight-row
+    # tails; K 40: not a multiple of 16 (the portable path whichever is asked)
     x = torch.randn(M, K, generator=torch.Generator().manual_seed(1))
     w = weights((N, K), dtype)
     got = kernel(x, w, None, portable)
     assert got.dtype == torch.float32 and got.shape == (M, N)
     assert_matches(got, x @ w.float().T)
     assert_matches(got, rows_matmul_reference(x, w))
+
+
+@pytest.mark.parametrize("portable", PATHS)
+def test_x_off_a_cache_line_gives_the_same_sums(portable):
+    # one matrix reads an aligned x in place and copies any other x to an aligned buffer first: same sums,
+    # same order, bit for bit (a view one float into a buffer is contiguous but 4 bytes off its line)
+    M, N, K = 9, 40, 512
+    buf = torch.randn(M * K + 1, generator=torch.Generator().manual_seed(3))
+    off = buf[1:].view(M, K)
+    aligned = off.clone()
+    assert off.data_ptr() % 64 != 0 and aligned.data_ptr() % 64 == 0
+    w = weights((N, K), torch.float32)
+    got = kernel(off, w, None, portable)
+    assert torch.equal(got, kernel(aligned, w, None, portable))
+    assert_matches(got, aligned @ w.T)
 
 
 @pytest.mark.parametrize("portable", PATHS)

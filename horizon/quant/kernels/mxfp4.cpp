@@ -303,12 +303,12 @@ constexpr int8_t kFP4x2[16] = {0, 1, 2, 3, 4, 6, 8, 12, 0, -1, -2, -3, -4, -6, -
 struct Q8 {
   int64_t nsets = 0;
   // the portable path: x's rows in group order, natural column order (0 past K), and each block's scale
-  std::vector<int8_t> q;       // [M, nsets * 512]
-  std::vector<float> scale;    // [M, nsets * 16] (0 for an all-zero block, NaN for one not finite)
+  hz::AlignedVector<int8_t> q;   // [M, nsets * 512]
+  hz::AlignedVector<float> scale;   // [M, nsets * 16] (0 for an all-zero block, NaN for one not finite)
   // the AVX-512 path, per row and pass of 16 blocks:
-  std::vector<int8_t> lanes;   // [M, nsets, 512]: q in the order the lanes read it
-  std::vector<int32_t> init;   // [M, nsets, 16]: -12 * (sum of the lane's block of q)
-  std::vector<float> half;     // [M, nsets, 16]: the lane's block scale / 2
+  hz::AlignedVector<int8_t> lanes;   // [M, nsets, 512]: q in the order the lanes read it
+  hz::AlignedVector<int32_t> init;   // [M, nsets, 16]: -12 * (sum of the lane's block of q)
+  hz::AlignedVector<float> half;     // [M, nsets, 16]: the lane's block scale / 2
 };
 
 // One block's scale and int8 values: scale = amax / 127, q = round(x / scale) half to even (nearbyint
@@ -621,7 +621,7 @@ at::Tensor mxfp4_expert_matmul(const at::Tensor& x_, const at::Tensor& blocks_, 
   }
 
   // x in group order, each block de-interleaved to [even | odd], zero past column K.
-  std::vector<float> xg(M * Kp);
+  hz::AlignedVector<float> xg(M * Kp);
   const float* xd = x.data_ptr<float>();
   for (int64_t i = 0; i < M; ++i) {
     const float* src = xd + row_of[i] * K;
