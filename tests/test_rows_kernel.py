@@ -57,6 +57,19 @@ def test_one_matrix_equals_the_reference(portable, dtype, M, N, K):
 
 
 @pytest.mark.parametrize("portable", PATHS)
+@pytest.mark.parametrize("N", [300, 37])
+def test_a_row_alone_equals_its_row_in_a_batch(portable, N):
+    # the engine's batched == alone, bit for bit: a row's sums take the same order whatever tile its batch puts
+    # it in (N 300 / 37: tail tiles of one weight row, at other columns for 1 row than for 4)
+    M, K = 9, 512
+    x = torch.randn(M, K, generator=torch.Generator().manual_seed(4))
+    w = weights((N, K), torch.float32)
+    batched = kernel(x, w, None, portable)
+    for i in range(M):
+        assert torch.equal(kernel(x[i:i + 1].clone(), w, None, portable)[0], batched[i]), i
+
+
+@pytest.mark.parametrize("portable", PATHS)
 def test_x_off_a_cache_line_gives_the_same_sums(portable):
     # one matrix reads an aligned x in place and copies any other x to an aligned buffer first: same sums,
     # same order, bit for bit (a view one float into a buffer is contiguous but 4 bytes off its line)

@@ -122,20 +122,18 @@ HZ_AVX512F inline __m512 sum_lanes16(const __m512* a) {
   return _mm512_add_ps(_mm512_shuffle_f32x4(d[0], d[1], 0x88), _mm512_shuffle_f32x4(d[0], d[1], 0xDD));
 }
 
-// res[i] = the sum of acc[i]'s lanes, i < n: whole groups of 16 through sum_lanes16 (a group padded with
-// zero vectors), fewer than 4 one by one.
+// res[i] = the sum of acc[i]'s lanes, i < n, in groups of 16 through sum_lanes16 (a group padded with zero
+// vectors). Every sum, a tail tile's single one too, goes through the same tree, which adds every vector's
+// lanes in the same order whatever its position: a row's result never depends on the tile its batch puts it
+// in (batched == alone, bit for bit; _mm512_reduce_add_ps adds in another order).
 template <int n>
 HZ_AVX512F inline void store_sums(const __m512* acc, float* res) {
-  if constexpr (n < 4) {
-    for (int i = 0; i < n; ++i) res[i] = _mm512_reduce_add_ps(acc[i]);
-  } else {
-    for (int g = 0; g < n; g += 16) {
-      __m512 a[16];
-      for (int i = 0; i < 16; ++i) a[i] = g + i < n ? acc[g + i] : _mm512_setzero_ps();
-      alignas(64) float sums[16];
-      _mm512_store_ps(sums, sum_lanes16(a));
-      for (int i = 0; i < 16 && g + i < n; ++i) res[g + i] = sums[i];
-    }
+  for (int g = 0; g < n; g += 16) {
+    __m512 a[16];
+    for (int i = 0; i < 16; ++i) a[i] = g + i < n ? acc[g + i] : _mm512_setzero_ps();
+    alignas(64) float sums[16];
+    _mm512_store_ps(sums, sum_lanes16(a));
+    for (int i = 0; i < 16 && g + i < n; ++i) res[g + i] = sums[i];
   }
 }
 
