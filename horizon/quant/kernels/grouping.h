@@ -40,8 +40,7 @@ struct Group {
 
 struct Grouping {
   std::vector<Group> groups;     // experts with rows, in expert order
-  std::vector<int64_t> row_of;   // grouped position -> original row
-  bool identity = false;         // row_of[i] == i for every i
+  std::vector<int64_t> row_of;   // grouped position -> original row (a stable sort: one group keeps row order)
 };
 
 // Every row in one group, in order (one matrix, no expert ids).
@@ -50,7 +49,6 @@ inline Grouping one_group(int64_t M) {
   g.groups.push_back({0, 0, M});
   g.row_of.resize(M);
   for (int64_t m = 0; m < M; ++m) g.row_of[m] = m;
-  g.identity = true;
   return g;
 }
 

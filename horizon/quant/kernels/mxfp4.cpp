@@ -303,8 +303,8 @@ constexpr int8_t kFP4x2[16] = {0, 1, 2, 3, 4, 6, 8, 12, 0, -1, -2, -3, -4, -6, -
 struct Q8 {
   int64_t nsets = 0;
   // the portable path: x's rows in group order, natural column order (0 past K), and each block's scale
-  hz::AlignedVector<int8_t> q;   // [M, nsets * 512]
-  hz::AlignedVector<float> scale;   // [M, nsets * 16] (0 for an all-zero block, NaN for one not finite)
+  hz::AlignedVector<int8_t> q;       // [M, nsets * 512]
+  hz::AlignedVector<float> scale;    // [M, nsets * 16] (0 for an all-zero block, NaN for one not finite)
   // the AVX-512 path, per row and pass of 16 blocks:
   hz::AlignedVector<int8_t> lanes;   // [M, nsets, 512]: q in the order the lanes read it
   hz::AlignedVector<int32_t> init;   // [M, nsets, 16]: -12 * (sum of the lane's block of q)

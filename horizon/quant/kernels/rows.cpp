@@ -242,12 +242,12 @@ void part_avx512(const Work<T>& p, int64_t n0, int64_t n1) {
 template <typename T>
 void run(const at::Tensor& w, const at::Tensor& x, const hz::Grouping& grouping, at::Tensor& out, bool avx512) {
   const int64_t M = x.size(0), K = x.size(1), N = w.size(-2);
-  // x in group order: a copy of a few rows (what every weight row is multiplied with), 64-byte aligned. One
-  // matrix (no expert ids) takes x as it is when it is already aligned, as torch's allocator aligns it.
+  // x in group order: a copy of a few rows (what every weight row is multiplied with), 64-byte aligned. With
+  // one group, x already is in group order (the grouping is stable), so it is taken as it is when aligned,
+  // as torch's allocator aligns it.
   const float* xd = x.data_ptr<float>();
   hz::AlignedVector<float> xg;
-  const bool in_place = grouping.groups.size() == 1 && grouping.identity &&
-                        reinterpret_cast<uintptr_t>(xd) % 64 == 0;
+  const bool in_place = grouping.groups.size() == 1 && reinterpret_cast<uintptr_t>(xd) % 64 == 0;
   if (!in_place) {
     xg.resize(M * K);
     for (int64_t i = 0; i < M; ++i) std::memcpy(xg.data() + i * K, xd + grouping.row_of[i] * K, K * sizeof(float));
