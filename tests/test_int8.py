@@ -22,12 +22,14 @@ from horizon.quant import (
     quantize_int8,
     quantize_model,
 )
-from horizon.quant.int8 import fast_kernel_available, int8_linear_reference
+from horizon.quant import int8 as int8_module
+from horizon.quant.int8 import KERNEL_ROWS, fast_kernel_available, int8_linear_reference
+from horizon.quant.kernels import kernel_available
 from tests.conftest import tiny
 
-# The fast path rounds x to bf16 (relative <= 2^-8 per element) and its pre-scale output to bf16
-# (<= 2^-8 of |y|), so |fast - reference| <= 2^-8 * (2 + 2^-8) * (|x| @ |W_hat|^T); 2^-7 * 1.01 covers
-# that, plus fp32 accumulation slack.
+# The op's path (more than KERNEL_ROWS rows, or no CPU kernels) rounds x to bf16 (relative <= 2^-8 per
+# element) and its pre-scale output to bf16 (<= 2^-8 of |y|), so |fast - reference| <= 2^-8 * (2 + 2^-8) *
+# (|x| @ |W_hat|^T); 2^-7 * 1.01 covers that, plus fp32 accumulation slack.
 BF16_BOUND = 2**-7 * 1.01
 
 
@@ -118,8 +120,24 @@ def _fast_module(bias: bool, out: int = 48, inp: int = 96) -> Int8Linear:
 
 
 @pytest.mark.parametrize("bias", [False, True])
-@pytest.mark.parametrize("shape", [(1, 96), (5, 96), (2, 3, 96)])
-def test_fast_path_matches_the_reference_within_bf16_rounding(bias, shape):
+@pytest.mark.parametrize("shape", [(1, 96), (5, 96), (2, 3, 96), (KERNEL_ROWS, 96)])
+def test_few_rows_take_the_cpu_kernel_with_the_references_numbers(bias, shape, monkeypatch):
+    if not kernel_available():
+        pytest.skip("the CPU kernels are not built here")
+    m = _fast_module(bias)
+    calls = []
+    kernel = int8_module.rows_matmul
+    monkeypatch.setattr(int8_module, "rows_matmul", lambda *a: calls.append(a[0].shape) or kernel(*a))
+    x = torch.randn(*shape) * 3
+    fast, ref = m(x), m(x, reference=True)
+    assert calls == [(x.numel() // 96, 96)]  # the kernel ran, once, on the rows as they are (fp32)
+    assert fast.shape == ref.shape == (*shape[:-1], 48) and fast.dtype == torch.float32
+    torch.testing.assert_close(fast, ref, rtol=1e-5, atol=1e-5 * float(ref.detach().abs().max()))
+
+
+@pytest.mark.parametrize("bias", [False, True])
+@pytest.mark.parametrize("shape", [(KERNEL_ROWS + 1, 96), (3, 30, 96)])
+def test_more_rows_take_the_op_within_bf16_rounding(bias, shape):
     m = _fast_module(bias)
     x = torch.randn(*shape) * 3
     fast, ref = m(x), m(x, reference=True)
@@ -127,7 +145,7 @@ def test_fast_path_matches_the_reference_within_bf16_rounding(bias, shape):
     assert torch.equal(ref, int8_linear_reference(x, m.weight_int8, m.weight_scale, m.bias))
     bound = BF16_BOUND * (x.abs() @ m.weight.abs().T) + 1e-6
     assert bool(((fast - ref).abs() <= bound).all()), float(((fast - ref).abs() / bound).max())
-    assert not torch.equal(fast, ref)  # the fast kernel did run (it rounds x to bf16)
+    assert not torch.equal(fast, ref)  # the op did run (it rounds x to bf16)
     m.reference = True  # the module attribute selects the reference too
     assert torch.equal(m(x), ref)
 
@@ -157,13 +175,16 @@ def test_widths_the_kernel_is_not_trusted_with_take_the_reference():
     assert torch.equal(m(x), m(x, reference=True))
 
 
-def test_torch_compile_fullgraph_matches_eager():
+@pytest.mark.parametrize("shape", [(1, 96), (2, 3, 96), (KERNEL_ROWS + 6, 96)])
+def test_torch_compile_fullgraph_matches_eager(shape):
     m = _fast_module(True)
     compiled = torch.compile(m, fullgraph=True)  # inductor; fullgraph: a graph break raises
-    x = torch.randn(2, 3, 96)
+    x = torch.randn(*shape)
     got = compiled(x)
-    torch.testing.assert_close(got, m(x), rtol=1e-6, atol=1e-6)
-    assert not torch.equal(got, m(x, reference=True))  # the int8 kernel, not the dequantised fallback, was traced
+    # one row: inductor's own loop against the eager kernel (or op); more: the same kernel or op in both
+    torch.testing.assert_close(got, m(x), rtol=1e-5, atol=1e-5)
+    if x.numel() // 96 > KERNEL_ROWS:
+        assert not torch.equal(got, m(x, reference=True))  # the int8 op, not the dequantised fallback, was traced
 
 
 # --- the whole model ------------------------------------------------------------------------------

@@ -129,16 +129,10 @@ def paged_index_scores_reference(pool: torch.Tensor, table: torch.Tensor, q: tor
 
 
 def _kernel_takes(pool: torch.Tensor) -> bool:
-    """Whether the compiled kernel scores this pool (fp32 on the CPU, the kernel built). Traced into compiled
-    graphs, where it only reads whether the kernel is built (a guarded global; the model runner builds it
-    before compiling) and never builds it."""
+    """Whether the compiled kernel scores this pool (fp32, where the CPU kernels run)."""
     from horizon.quant import kernels  # here: horizon.quant's modules import this one
 
-    if pool.device.type != "cpu" or pool.dtype != torch.float32:
-        return False
-    if torch.compiler.is_compiling():
-        return kernels._built is True
-    return kernels.kernel_available()
+    return pool.dtype == torch.float32 and kernels.kernels_run_on(pool.device)
 
 
 def paged_index_scores(pool: torch.Tensor, table: torch.Tensor, q: torch.Tensor, w: torch.Tensor, L: int,

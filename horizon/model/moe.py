@@ -175,13 +175,11 @@ class Experts(nn.Module):
 
 
 def _rows_kernel_takes(x: torch.Tensor, w: torch.Tensor) -> bool:
-    """Whether horizon_kernels.rows_matmul computes x against w here: on the CPU, fp32 or bf16 weights, the
-    kernel built (read, never built, inside a compiled graph: the model runner builds it first)."""
+    """Whether horizon_kernels.rows_matmul computes x against w here: fp32 or bf16 weights, where the CPU
+    kernels run."""
     from horizon.quant import kernels  # here: horizon.quant's modules import this one
 
-    if x.device.type != "cpu" or w.dtype not in (torch.float32, torch.bfloat16):
-        return False
-    return kernels._built is True if torch.compiler.is_compiling() else kernels.kernel_available()
+    return w.dtype in (torch.float32, torch.bfloat16) and kernels.kernels_run_on(x.device)
 
 
 class MoE(nn.Module):

@@ -14,24 +14,27 @@ torch.round) clamped to [-127, 127]; -128 is never written, so the grid is symme
   (0.39% of the row's largest magnitude); for Gaussian rows of 512 that is ~0.7% relative RMS.
 1 byte per weight plus 4 per row: ~1/4 of fp32's bytes, ~1/2 of bf16's.
 
-`Int8Linear` computes with the int8 matrix resident (the fp32 one is gone). Its fast path is
-`aten._weight_int8pack_mm` on bf16 activations (measured for [1, 512] x [32768, 512]^T on 2 threads:
-fp32 F.linear ~7.4 ms, the op with fp32 input ~10 ms, with bf16 input ~0.8 ms), so on that path:
-- the activation is rounded to bf16 (relative error <= 2^-8 per element) and so is the op's output
-  (<= 2^-8 per element). The op is given unit scales and the fp32 row scales are applied to its
-  output in fp32, so the scales are never rounded to bf16 (that would add up to 2^-8 per row); bias
-  is added in fp32 before the one final cast to the activation dtype. Against the reference path
-  (`F.linear` on the dequantised matrix) the output differs by <~ 2^-7 * sum_k |x_k| |w_hat_rk| per
-  element (bf16 rounding of x and of the result), ~0.2% relative RMS in practice, below int8's own
-  ~0.7% weight error.
-- one path for every batch size (decode and prefill round alike, so a token's logits do not depend
-  on what it was batched with). At M >= ~256 rows the op is no faster than fp32 F.linear (measured
-  on 2 threads) — prefill pays some speed for the bytes.
-- used where `fast_kernel_available(device)` (a one-time probe per device type: the op must exist,
-  not raise NotImplementedError/RuntimeError, and give exact results on a small integer product) and
-  in_features is a multiple of 32 (on this CPU's kernel other widths read past the row: wrong results
-  or a crash, measured at in=8, 24, 33); otherwise, or with `reference=True`, the reference path
-  `F.linear(x, dequantize_int8(q, scale, x.dtype), bias)` runs, which materialises the matrix per call.
+`Int8Linear` computes with the int8 matrix resident (the fp32 one is gone), on one of two fast paths:
+- up to KERNEL_ROWS (64) rows where the CPU kernels run (decode): `horizon_kernels.rows_matmul`
+  (rows.cpp: each int8 weight row read once for all rows, widened exactly, x in fp32, fp32 sums; in a
+  compiled graph one row is a multiply-and-sum inductor fuses into one loop over the int8 bytes). These
+  give the reference's numbers (`F.linear` on the dequantised matrix) up to the fp32 summation order.
+- otherwise (prefill, other devices): `aten._weight_int8pack_mm` on bf16 activations (measured for
+  [1, 512] x [32768, 512]^T on 2 threads: fp32 F.linear ~7.4 ms, the op with fp32 input ~10 ms, with
+  bf16 input ~0.8 ms). The activation is rounded to bf16 (relative error <= 2^-8 per element) and so
+  is the op's output (<= 2^-8 per element). The op is given unit scales and the fp32 row scales are
+  applied to its output in fp32, so the scales are never rounded to bf16 (that would add up to 2^-8 per
+  row); bias is added in fp32 before the one final cast to the activation dtype. Against the reference
+  the output differs by <~ 2^-7 * sum_k |x_k| |w_hat_rk| per element, ~0.2% relative RMS in practice,
+  below int8's own ~0.7% weight error. At M >= ~256 rows the op is no faster than fp32 F.linear
+  (measured on 2 threads): prefill pays some speed for the bytes.
+So a token's logits differ between a decode step and a prefill by at most those bf16 roundings (a
+compiled loop could not keep them anyway: inductor drops a cast to bf16 that is cast straight back).
+Either fast path is used where `fast_kernel_available(device)` (a one-time probe per device type: the op
+must exist, not raise NotImplementedError/RuntimeError, and give exact results on a small integer
+product) and in_features is a multiple of 32 (on this CPU's op other widths read past the row: wrong
+results or a crash, measured at in=8, 24, 33); otherwise, or with `reference=True`, the reference path
+`F.linear(x, dequantize_int8(q, scale, x.dtype), bias)` runs, which materialises the matrix per call.
 
 `quantize_dense_int8(model)` swaps in place every `nn.Linear` of the decoder: attention projections
 (KDA q/k/v/o, f_a/f_b, g_a/g_b, b_proj; DSA wq_a/wq_b/wq/wkv_a/wkv_b/wo, gate_a/gate_b, the indexer's
@@ -48,9 +51,14 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from horizon.quant.kernels import kernels_run_on, rows_matmul
 from horizon.quant.layers import PackedLinear
 
 INT8_MAX = 127
+# most rows of x that go to horizon_kernels.rows_matmul where the CPU kernels run. bench/rows.py (a Xeon, 2
+# threads, cold weights), the kernel against the op: 1.1-1.6x at 2 rows, 1.3-1.8x at 8, 1.4-1.6x at 64, for
+# [512 -> 512], [512 -> 1024] and the [512 -> 32768] LM head.
+KERNEL_ROWS = 64
 FAST_IN_MULTIPLE = 32  # in_features the fast kernel is trusted with (see the module docstring)
 QUANTIZABLE = (torch.float32, torch.bfloat16, torch.float16)
 
@@ -164,15 +172,19 @@ class Int8Linear(PackedLinear):
     def forward(self, x: torch.Tensor, reference: bool | None = None) -> torch.Tensor:
         if (self.reference if reference is None else reference) or not self.uses_fast_path(x.device.type):
             return int8_linear_reference(x, self.weight_int8, self.weight_scale, self.bias)
-        rows = x.reshape(-1, self.in_features).to(torch.bfloat16).contiguous()
+        rows = x.reshape(-1, self.in_features)
         if rows.shape[0] == 1 and torch.compiler.is_compiling():
             # one row in a compiled graph (a batch-1 decode step): a multiply-and-sum inductor fuses into one
-            # loop reading the int8 bytes directly, with the kernel's roundings (bf16 in, bf16 out) kept so
-            # the numbers match it to the fp32 summation order; _weight_int8pack_mm is an opaque call there
-            y = (rows.float()[:, None, :] * self.weight_int8).sum(-1).to(torch.bfloat16)
+            # loop reading the int8 bytes directly (_weight_int8pack_mm is an opaque call there); in fp32, so
+            # the reference's numbers up to summation order
+            y = (rows.float()[:, None, :] * self.weight_int8).sum(-1)
+        elif rows.shape[0] <= KERNEL_ROWS and kernels_run_on(rows.device):
+            # a few rows (decode): each int8 weight row read once for all of them, x in fp32 (rows.cpp)
+            y = rows_matmul(rows, self.weight_int8)
         else:
-            y = torch.ops.aten._weight_int8pack_mm(rows, self.weight_int8, self._unit_scale)
-        y = y * self.weight_scale  # bf16 * fp32 -> fp32: the scales at full precision
+            y = torch.ops.aten._weight_int8pack_mm(rows.to(torch.bfloat16).contiguous(), self.weight_int8,
+                                                   self._unit_scale)
+        y = y * self.weight_scale  # -> fp32: the scales at full precision (the op's output is bf16)
         if self.bias is not None:
             y = y + self.bias
         return y.to(x.dtype).view(*x.shape[:-1], self.out_features)

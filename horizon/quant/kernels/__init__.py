@@ -135,6 +135,15 @@ def kernel_available() -> bool:
     return _built
 
 
+def kernels_run_on(device: torch.device) -> bool:
+    """Whether the CPU kernels serve tensors on `device`: the CPU, with the extension built. Traced into
+    compiled graphs, where it only reads whether the extension is built (a guarded global; the model
+    runner builds it before compiling) and never builds it."""
+    if device.type != "cpu":
+        return False
+    return _built is True if torch.compiler.is_compiling() else kernel_available()
+
+
 def has_avx512() -> bool:
     """Whether the kernel runs its AVX-512 path on this CPU (False when the kernel is unavailable)."""
     return kernel_available() and bool(torch.ops.horizon_kernels.has_avx512())
@@ -298,6 +307,6 @@ def rows_matmul(x: torch.Tensor, w: torch.Tensor, expert: torch.Tensor | None = 
     return rows_matmul_reference(x, w, expert)
 
 
-__all__ = ["cache_dir", "dequantize_activations", "has_avx512", "has_vnni", "kernel_available", "mxfp4_expert_matmul",
-           "mxfp4_expert_matmul_reference", "mxfp4_matmul", "quantize_activations", "round_activations",
-           "rows_matmul", "rows_matmul_reference"]
+__all__ = ["cache_dir", "dequantize_activations", "has_avx512", "has_vnni", "kernel_available", "kernels_run_on",
+           "mxfp4_expert_matmul", "mxfp4_expert_matmul_reference", "mxfp4_matmul", "quantize_activations",
+           "round_activations", "rows_matmul", "rows_matmul_reference"]
