@@ -23,9 +23,11 @@ from horizon.quant import (
     quantize_model,
 )
 from horizon.quant import int8 as int8_module
-from horizon.quant.int8 import KERNEL_ROWS, fast_kernel_available, int8_linear_reference
-from horizon.quant.kernels import kernel_available
+from horizon.quant.int8 import fast_kernel_available, int8_linear_reference
+from horizon.quant.kernels import FEW_ROWS, kernel_available
 from tests.conftest import tiny
+
+KERNEL_ROWS = FEW_ROWS[torch.int8]  # most rows Int8Linear sends to the CPU kernel
 
 # The op's path (more than KERNEL_ROWS rows, or no CPU kernels) rounds x to bf16 (relative <= 2^-8 per
 # element) and its pre-scale output to bf16 (<= 2^-8 of |y|), so |fast - reference| <= 2^-8 * (2 + 2^-8) *

@@ -35,6 +35,7 @@ from torch._inductor.custom_graph_pass import CustomGraphPass
 
 from horizon.model import Batch, HorizonCache
 from horizon.model.options import ForwardOptions
+from horizon.quant.kernels import FEW_ROWS
 
 log = logging.getLogger(__name__)
 
@@ -46,10 +47,6 @@ DEFAULT_BUCKETS = (1, 2, 4, 8, 16, 32, 64, 128, 256)
 MM_AS_REDUCTION = 1 << 17
 CPU_OPTIONS = {"post_grad_fusion_options": {"decompose_mm_pass": {"cpu_max_other_dimension_decomposition":
                                                                   MM_AS_REDUCTION}}}
-# Projections of batched steps (2..64 rows) whose weights are fp32 (bf16: up to 8 rows, past which
-# oneDNN's bf16 matmul is faster) go to horizon_kernels.rows_matmul: PyTorch's CPU sgemm streams a cold
-# fp32 matrix at 4-6 GB/s for 4-16 rows on 2 cores, the kernel at 10-18 (bench/rows.py).
-FEW_ROWS = {torch.float32: 64, torch.bfloat16: 8}
 
 
 class FewRowMatmuls(CustomGraphPass):

@@ -15,7 +15,7 @@ torch.round) clamped to [-127, 127]; -128 is never written, so the grid is symme
 1 byte per weight plus 4 per row: ~1/4 of fp32's bytes, ~1/2 of bf16's.
 
 `Int8Linear` computes with the int8 matrix resident (the fp32 one is gone), on one of two fast paths:
-- up to KERNEL_ROWS (64) rows where the CPU kernels run (decode): `horizon_kernels.rows_matmul`
+- up to FEW_ROWS[torch.int8] (64) rows where the CPU kernels run (decode): `horizon_kernels.rows_matmul`
   (rows.cpp: each int8 weight row read once for all rows, widened exactly, x in fp32, fp32 sums; in a
   compiled graph one row is a multiply-and-sum inductor fuses into one loop over the int8 bytes). These
   give the reference's numbers (`F.linear` on the dequantised matrix) up to the fp32 summation order.
@@ -51,14 +51,10 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from horizon.quant.kernels import kernels_run_on, rows_matmul
+from horizon.quant.kernels import FEW_ROWS, kernels_run_on, rows_matmul
 from horizon.quant.layers import PackedLinear
 
 INT8_MAX = 127
-# most rows of x that go to horizon_kernels.rows_matmul where the CPU kernels run. bench/rows.py (a Xeon, 2
-# threads, cold weights), the kernel against the op: 1.1-1.6x at 2 rows, 1.3-1.8x at 8, 1.4-1.6x at 64, for
-# [512 -> 512], [512 -> 1024] and the [512 -> 32768] LM head.
-KERNEL_ROWS = 64
 FAST_IN_MULTIPLE = 32  # in_features the fast kernel is trusted with (see the module docstring)
 QUANTIZABLE = (torch.float32, torch.bfloat16, torch.float16)
 
@@ -178,7 +174,7 @@ class Int8Linear(PackedLinear):
             # loop reading the int8 bytes directly (_weight_int8pack_mm is an opaque call there); in fp32, so
             # the reference's numbers up to summation order
             y = (rows.float()[:, None, :] * self.weight_int8).sum(-1)
-        elif rows.shape[0] <= KERNEL_ROWS and kernels_run_on(rows.device):
+        elif rows.shape[0] <= FEW_ROWS[torch.int8] and kernels_run_on(rows.device):
             # a few rows (decode): each int8 weight row read once for all of them, x in fp32 (rows.cpp)
             y = rows_matmul(rows, self.weight_int8)
         else:

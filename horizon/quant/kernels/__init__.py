@@ -297,6 +297,13 @@ def rows_matmul_reference(x: torch.Tensor, w: torch.Tensor, expert: torch.Tensor
     return out
 
 
+# Most rows of x a projection sends to rows_matmul, by weight dtype, where the CPU kernels run (bench/rows.py,
+# 2 threads, cold weights): fp32 at 2-64 rows (PyTorch's CPU sgemm streams a cold fp32 matrix at 4-6 GB/s for
+# 4-16 rows, the kernel at 10-18); bf16 up to 8, past which oneDNN's bf16 matmul was faster on a Zen 4; int8
+# at 1-64, against aten._weight_int8pack_mm 1.1-1.6x at 2 rows, 1.3-1.8x at 8, 1.4-1.6x at 64 (a Xeon).
+FEW_ROWS = {torch.float32: 64, torch.bfloat16: 8, torch.int8: 64}
+
+
 def rows_matmul(x: torch.Tensor, w: torch.Tensor, expert: torch.Tensor | None = None) -> torch.Tensor:
     """fp32 [M, N] = x [M, K] @ W^T for a few rows (rows.cpp: each weight row read once per call, near memory
     speed where PyTorch's sgemm is not); W = w [N, K] (fp32 / bf16 / int8 raw), or per row m w[expert[m]]
@@ -307,6 +314,6 @@ def rows_matmul(x: torch.Tensor, w: torch.Tensor, expert: torch.Tensor | None = 
     return rows_matmul_reference(x, w, expert)
 
 
-__all__ = ["cache_dir", "dequantize_activations", "has_avx512", "has_vnni", "kernel_available", "kernels_run_on",
-           "mxfp4_expert_matmul", "mxfp4_expert_matmul_reference", "mxfp4_matmul", "quantize_activations",
-           "round_activations", "rows_matmul", "rows_matmul_reference"]
+__all__ = ["FEW_ROWS", "cache_dir", "dequantize_activations", "has_avx512", "has_vnni", "kernel_available",
+           "kernels_run_on", "mxfp4_expert_matmul", "mxfp4_expert_matmul_reference", "mxfp4_matmul",
+           "quantize_activations", "round_activations", "rows_matmul", "rows_matmul_reference"]
