@@ -383,8 +383,8 @@ ARGS: dict[str, tuple[list[str], dict, tuple | None]] = {
     "batches": (["--batches"], dict(type=int, nargs="+", default=[1, 16]), None),
     "prompt": (["--prompt"], dict(type=int, default=None, help="prompt tokens (default 128; 16 with --quick)"),
                (16, 128)),
-    "new_tokens": (["--new-tokens"], dict(type=int, default=None, help="generated tokens (default 32; 8 with "
-                                                                         "--quick)"), (8, 32)),
+    "new_tokens": (["--new-tokens"], dict(type=int, default=None, help="generated tokens (default 128; 8 with "
+                                                                         "--quick)"), (8, 128)),
     "hf_attn": (["--hf-attn"], dict(default="sdpa", choices=["sdpa", "eager"]), None),
     "glm5_hc_mult": (["--glm5-hc-mult"], dict(type=int, default=1, help="glm5_next hyper-connection streams (real "
                                                                           "model: 4)"), None),

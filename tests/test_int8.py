@@ -24,7 +24,7 @@ from horizon.quant import (
 )
 from horizon.quant import int8 as int8_module
 from horizon.quant.int8 import fast_kernel_available, int8_linear_reference
-from horizon.quant.kernels import FEW_ROWS, kernel_available
+from horizon.quant.kernels import FEW_ROWS, FUSED_ONE_ROW_MAX, kernel_available
 from tests.conftest import tiny
 
 KERNEL_ROWS = FEW_ROWS[torch.int8]  # most rows Int8Linear sends to the CPU kernel
@@ -187,6 +187,24 @@ def test_torch_compile_fullgraph_matches_eager(shape):
     torch.testing.assert_close(got, m(x), rtol=1e-5, atol=1e-5)
     if x.numel() // 96 > KERNEL_ROWS:
         assert not torch.equal(got, m(x, reference=True))  # the int8 op, not the dequantised fallback, was traced
+
+
+@pytest.mark.parametrize("out", [48, FUSED_ONE_ROW_MAX + 32], ids=["fused-loop", "over-FUSED_ONE_ROW_MAX"])
+def test_one_compiled_row_of_a_large_weight_takes_the_kernel(out):
+    """In a compiled graph one row stays inductor's loop up to FUSED_ONE_ROW_MAX (an LM head goes to
+    rows_matmul, faster there); both give eager's numbers."""
+    if not kernel_available():
+        pytest.skip("the CPU kernels are not built here")
+    m = _fast_module(True, out=out)
+    compiled = torch.compile(m, fullgraph=True)
+    x = torch.randn(1, 96)
+    compiled(x)
+    with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CPU]) as prof:
+        got = compiled(x)
+    calls = sum(e.count for e in prof.key_averages() if e.key == "horizon_kernels::rows_matmul")
+    assert calls == (out > FUSED_ONE_ROW_MAX)
+    want = m(x).detach()
+    torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-5 * float(want.abs().max()))
 
 
 # --- the whole model ------------------------------------------------------------------------------

@@ -11,9 +11,9 @@ import torch.nn.functional as F
 from torch import nn
 
 import horizon.quant.kernels as kernels
-from horizon.engine.runner import FewRowMatmuls
+from horizon.engine.runner import cpu_options
 from horizon.model.moe import Experts
-from horizon.quant.kernels import kernel_available, rows_matmul, rows_matmul_reference
+from horizon.quant.kernels import FUSED_ONE_ROW_MAX, kernel_available, rows_matmul, rows_matmul_reference
 
 DISABLED = os.environ.get("HORIZON_KERNELS", "1").strip() == "0"
 pytestmark = pytest.mark.skipif(DISABLED, reason="HORIZON_KERNELS=0: the kernel is disabled")
@@ -158,7 +158,7 @@ def test_dense_experts_sync_free_equals_the_eager_dispatch(dtype, monkeypatch):
 
 def compiled_calls(fn, *args) -> tuple[torch.Tensor, int]:
     """fn compiled with the decode step's graph pass: its output and how many rows_matmul calls one run makes."""
-    compiled = torch.compile(fn, fullgraph=True, dynamic=False, options={"post_grad_custom_post_pass": FewRowMatmuls()})
+    compiled = torch.compile(fn, fullgraph=True, dynamic=False, options=cpu_options(kernels=True))
     compiled(*args)
     with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CPU]) as prof:
         out = compiled(*args)
@@ -177,6 +177,10 @@ def test_the_graph_pass_routes_few_row_projections_to_the_kernel():
     one, calls = compiled_calls(mlp, x[:1])  # one row: inductor's own multiply-and-sum loop
     assert calls == 0
     assert_matches(one, mlp(x[:1]))
+    head = torch.randn(FUSED_ONE_ROW_MAX + 64, 64)  # one row of a weight past FUSED_ONE_ROW_MAX: the kernel
+    one, calls = compiled_calls(lambda a: F.linear(a, head), x[:1])
+    assert calls == 1
+    assert_matches(one, F.linear(x[:1], head))
     half = mlp.to(torch.bfloat16)
     xb = torch.randn(4, 64).bfloat16()
     out, calls = compiled_calls(half, xb)  # bf16 weights, 4 rows: the kernel, rounded back to bf16

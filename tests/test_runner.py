@@ -76,10 +76,17 @@ def test_compiled_decode_matches_eager_on_both_sides_of_topk(pair, lengths):
     assert {(pair[0].bucket(len(ps)), sparse) for sparse in (False, True)} <= pair[0].graphs_seen
 
 
+def _rows_matmul_calls(runner, step) -> int:
+    with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CPU]) as prof:
+        runner.run(step)
+    return sum(e.count for e in prof.key_averages() if e.key == "horizon_kernels::rows_matmul")
+
+
 def test_batched_projections_run_in_the_few_rows_kernel(pair):
-    """At bucket 4 the graph pass sends the projections to rows_matmul (bucket 1 keeps inductor's own
-    loops); the parity with eager is the test above."""
-    from horizon.quant.kernels import kernel_available
+    """At bucket 4 the graph pass sends the projections to rows_matmul; at bucket 1 only those over
+    FUSED_ONE_ROW_MAX (the LM head), the rest stay inductor's own loops. The parity with eager is the test
+    above."""
+    from horizon.quant.kernels import FUSED_ONE_ROW_MAX, kernel_available
 
     if not kernel_available():
         pytest.skip("the CPU kernels are not built here")
@@ -93,10 +100,7 @@ def test_batched_projections_run_in_the_few_rows_kernel(pair):
              if isinstance(m, torch.nn.Linear)]
     try:
         for runner in pair:
-            with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CPU]) as prof:
-                runner.run(step)
-            calls[runner.compile] = sum(e.count for e in prof.key_averages()
-                                        if e.key == "horizon_kernels::rows_matmul")
+            calls[runner.compile] = _rows_matmul_calls(runner, step)
     finally:
         for h in hooks:
             h.remove()
@@ -104,6 +108,13 @@ def test_batched_projections_run_in_the_few_rows_kernel(pair):
     assert calls[False] == 0  # eager: F.linear
     # every nn.Linear the eager step calls (the compiled one runs no hooks), and each router's F.linear
     assert forwards and calls[True] == len(forwards) + routers
+
+    prefill(pair, ps[:1])
+    decode_both(pair, ps[:1], 1)
+    large = [m for m in model.modules() if isinstance(m, torch.nn.Linear)
+             and max(m.in_features, m.out_features) > FUSED_ONE_ROW_MAX]
+    assert [m is model.lm_head for m in large] == [True]  # the tiny preset's 4,096-token vocabulary
+    assert _rows_matmul_calls(pair[0], StepInputs([[ps[0][-1]]], [len(ps[0])], [0])) == 1
 
 
 def test_padding_rows_leave_real_slots_alone(pair):

@@ -35,26 +35,43 @@ from torch._inductor.custom_graph_pass import CustomGraphPass
 
 from horizon.model import Batch, HorizonCache
 from horizon.model.options import ForwardOptions
-from horizon.quant.kernels import FEW_ROWS
+from horizon.quant.kernels import FEW_ROWS, FUSED_ONE_ROW_MAX
 
 log = logging.getLogger(__name__)
 
 DEFAULT_BUCKETS = (1, 2, 4, 8, 16, 32, 64, 128, 256)
 # On CPU, inductor may rewrite a one-row matmul (a batch-1 decode projection) as a multiply-and-sum it
 # generates itself: that loop streams a [512 -> 1024] fp32 weight at ~25-35 GB/s on 2 cores where the
-# sgemv call reaches ~10 (measured; the batch-1 step of `small` goes from 34 to 18 ms). Its default
-# size limit (2,048) leaves out the LM head, so it is raised to cover any projection.
+# sgemv call reaches ~10 (measured; the batch-1 step of `small` goes from 34 to 18 ms), and it fuses with
+# the norms and activations around it. Its size limit is inductor's default (FUSED_ONE_ROW_MAX, 2,048)
+# where the CPU kernels run: the LM head stays a matmul and FewRowMatmuls sends it to rows_matmul, faster
+# again (horizon.quant.kernels says by how much). Without the kernels it is raised to cover any projection.
 MM_AS_REDUCTION = 1 << 17
-CPU_OPTIONS = {"post_grad_fusion_options": {"decompose_mm_pass": {"cpu_max_other_dimension_decomposition":
-                                                                  MM_AS_REDUCTION}}}
+# The generated wrapper checks every input's size and stride (and alignment) before each step: ~370 checks a
+# batch-1 `small` step, 0.35-0.6 ms of Python, 5-9% of an MXFP4 + int8 step (two engines in one process,
+# alternating). They can only fail if the model's tensors change under the graph, which the runner rules
+# out (its dynamo guards skip the modules for the same reason, below); the step's own inputs are built here.
+NO_ASSERTS = {"size_asserts": False, "alignment_asserts": False, "scalar_asserts": False}
+
+
+def cpu_options(kernels: bool) -> dict:
+    """inductor options for a CPU decode graph; `kernels`: the CPU kernels are built (kernel_available())."""
+    limit = FUSED_ONE_ROW_MAX if kernels else MM_AS_REDUCTION
+    # the pass reads its limit from the config when first imported: set it on the module too
+    from torch._inductor.fx_passes import decompose_mem_bound_mm
+
+    decompose_mem_bound_mm.cpu_max_other_dimension_decomposition = limit
+    options = {"post_grad_fusion_options": {"decompose_mm_pass": {"cpu_max_other_dimension_decomposition": limit}},
+               **NO_ASSERTS}
+    return dict(options, post_grad_custom_post_pass=FewRowMatmuls()) if kernels else options
 
 
 class FewRowMatmuls(CustomGraphPass):
     """Inductor post-grad pass: `x @ W.T` (mm / addmm of a weight's transpose) with a few rows on the CPU
     becomes `rows_matmul(x, W)` (+ bias, in fp32), rounded back to x's dtype as F.linear rounds its output.
 
-    Runs after inductor's own rewrites, so one-row products (batch 1) are already its fused
-    multiply-and-sum loops and stay so."""
+    Runs after inductor's own rewrites, so one-row products (batch 1) up to FUSED_ONE_ROW_MAX are already its
+    fused multiply-and-sum loops and stay so; a larger one (the LM head) comes here as a matmul."""
 
     def __call__(self, graph: torch.fx.Graph) -> None:
         aten = torch.ops.aten
@@ -75,7 +92,7 @@ class FewRowMatmuls(CustomGraphPass):
             if xv is None or wv is None or xv.device.type != "cpu" or wv.dim() != 2 or xv.dtype != wv.dtype:
                 continue
             rows = xv.shape[0]
-            if not isinstance(rows, int) or not 2 <= rows <= FEW_ROWS.get(xv.dtype, 0) or not wv.is_contiguous():
+            if not isinstance(rows, int) or not 1 <= rows <= FEW_ROWS.get(xv.dtype, 0) or not wv.is_contiguous():
                 continue
             mode = detect_fake_mode([xv, wv])
             with graph.inserting_before(node), mode:
@@ -192,17 +209,11 @@ class ModelRunner:
             # recompiles in a fraction of the first compile's time
             os.environ.setdefault("TORCHINDUCTOR_CACHE_DIR", str(Path.home() / ".cache" / "horizon" / "inductor"))
             mode = "reduce-overhead" if self.device.type == "cuda" else None
-            if mode is None:
-                from torch._inductor.fx_passes import decompose_mem_bound_mm
-
-                # the pass reads its limit from the config when first imported: set it here too
-                decompose_mem_bound_mm.cpu_max_other_dimension_decomposition = MM_AS_REDUCTION
             options = None
             if mode is None:
                 from horizon.quant.kernels import kernel_available
 
-                options = dict(CPU_OPTIONS, post_grad_custom_post_pass=FewRowMatmuls()) if kernel_available() \
-                    else CPU_OPTIONS
+                options = cpu_options(kernel_available())
             # dynamo keeps at most `recompile_limit` graphs per code object (this runner's forward, below,
             # holds one per bucket, dense and sparse; past the default 8, a ninth graph is a hard failure
             # under fullgraph: an engine whose buckets run to 256): room for this runner's buckets

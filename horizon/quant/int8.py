@@ -51,7 +51,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from horizon.quant.kernels import FEW_ROWS, kernels_run_on, rows_matmul
+from horizon.quant.kernels import FEW_ROWS, FUSED_ONE_ROW_MAX, kernels_run_on, rows_matmul
 from horizon.quant.layers import PackedLinear
 
 INT8_MAX = 127
@@ -169,10 +169,12 @@ class Int8Linear(PackedLinear):
         if (self.reference if reference is None else reference) or not self.uses_fast_path(x.device.type):
             return int8_linear_reference(x, self.weight_int8, self.weight_scale, self.bias)
         rows = x.reshape(-1, self.in_features)
-        if rows.shape[0] == 1 and torch.compiler.is_compiling():
+        if rows.shape[0] == 1 and torch.compiler.is_compiling() and \
+                max(self.in_features, self.out_features) <= FUSED_ONE_ROW_MAX:
             # one row in a compiled graph (a batch-1 decode step): a multiply-and-sum inductor fuses into one
             # loop reading the int8 bytes directly (_weight_int8pack_mm is an opaque call there); in fp32, so
-            # the reference's numbers up to summation order
+            # the reference's numbers up to summation order. A larger weight (the LM head) streams faster
+            # through rows_matmul, below
             y = (rows.float()[:, None, :] * self.weight_int8).sum(-1)
         elif rows.shape[0] <= FEW_ROWS[torch.int8] and kernels_run_on(rows.device):
             # a few rows (decode): each int8 weight row read once for all of them, x in fp32 (rows.cpp)
