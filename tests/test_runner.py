@@ -185,17 +185,19 @@ def test_compiled_engine_generates_what_the_eager_engine_does(engines):
     assert compiled.runner.graphs_seen  # the decode steps did run compiled
 
 
-def test_a_runner_makes_room_for_its_graphs_in_dynamos_limit(model, monkeypatch):
+def test_a_runner_makes_room_for_its_graphs_in_dynamos_limit(model):
     """Dynamo keeps `recompile_limit` graphs per code object (8 by default) and every runner compiles the
     same DecodeStep.forward; past the limit fullgraph fails hard. Each runner adds room for its buckets,
     so a runner still compiles when the limit alone would refuse its second graph. (Last in the module:
     it clears dynamo's caches.)"""
     torch._dynamo.reset()
-    monkeypatch.setattr(torch._dynamo.config, "recompile_limit", 1)
-    runner = ModelRunner(model, HorizonCache(model.config, 4, 128, dtype=torch.float32, block_size=16),
-                         compile=True, buckets=(1, 4))
-    ps = prompts(5, 6)
-    prefill((runner,), ps)
-    runner.run(StepInputs([[ps[0][-1]]], [len(ps[0])], [0]))
-    runner.run(StepInputs([[p[-1]] for p in ps], [len(p) for p in ps], [0, 1]))
+    # config.patch, not monkeypatch: monkeypatch's undo deletes a config entry it did not see as an attribute,
+    # and every later torch.compile in the process then fails to read it
+    with torch._dynamo.config.patch(recompile_limit=1):
+        runner = ModelRunner(model, HorizonCache(model.config, 4, 128, dtype=torch.float32, block_size=16),
+                             compile=True, buckets=(1, 4))
+        ps = prompts(5, 6)
+        prefill((runner,), ps)
+        runner.run(StepInputs([[ps[0][-1]]], [len(ps[0])], [0]))
+        runner.run(StepInputs([[p[-1]] for p in ps], [len(p) for p in ps], [0, 1]))
     assert runner.graphs_seen == {(1, False), (4, False)}
