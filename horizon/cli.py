@@ -915,8 +915,8 @@ def build_parser() -> argparse.ArgumentParser:
                         "system prompt ends), so branches of one history share it (see `horizon plan` for a "
                         "snapshot's size)")
     p.add_argument("--enforce-eager", action="store_true",
-                   help="run every step eagerly: no compiled decode graphs (compiling one takes about a minute "
-                        "per batch-size bucket on 2 cores, cached across runs in TORCHINDUCTOR_CACHE_DIR)")
+                   help="run every step eagerly: no compiled decode graphs (compiling one takes one to two "
+                        "minutes per batch-size bucket on 2 cores, cached across runs in TORCHINDUCTOR_CACHE_DIR)")
     p.add_argument("--coverage-every", type=int, default=64,
                    help="measure the DSA top-k's share of dense attention every N decode steps (0: off)")
     p.add_argument("--allow-local-images", default=None, metavar="DIR",

@@ -57,7 +57,7 @@ class EngineConfig:
     selection: str = "indexer"  # "indexer" | "recent": what DSA attends to (horizon eval --selection)
     # decode steps as compiled graphs at bucketed batch sizes (horizon.engine.runner); False is eager, the
     # reference (horizon serve compiles unless --enforce-eager; library users opt in, since a graph
-    # takes about a minute to compile on 2 cores and freezes the weights it was compiled with)
+    # takes one to two minutes to compile on 2 cores and freezes the weights it was compiled with)
     compile: bool = False
     # under a process group of N > 1 ranks: run in lockstep with the other ranks' engines (tensor parallelism;
     # rank 0 drives). False: this rank's engine alone, over a model it holds whole (data parallelism: each
