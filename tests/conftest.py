@@ -15,6 +15,14 @@ from horizon.model import HorizonForCausalLM
 torch.set_num_threads(2)
 
 
+def rows_matmul_calls(fn) -> tuple[object, int]:
+    """(fn(), how many horizon_kernels::rows_matmul calls it made), counted by the profiler, so calls from
+    inside compiled graphs count too."""
+    with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CPU]) as prof:
+        out = fn()
+    return out, sum(e.count for e in prof.key_averages() if e.key == "horizon_kernels::rows_matmul")
+
+
 def tiny(**changes) -> ModelConfig:
     return ModelConfig.preset("tiny").replace(**changes)
 

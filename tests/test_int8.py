@@ -25,7 +25,7 @@ from horizon.quant import (
 from horizon.quant import int8 as int8_module
 from horizon.quant.int8 import fast_kernel_available, int8_linear_reference
 from horizon.quant.kernels import FEW_ROWS, FUSED_ONE_ROW_MAX, kernel_available
-from tests.conftest import tiny
+from tests.conftest import rows_matmul_calls, tiny
 
 KERNEL_ROWS = FEW_ROWS[torch.int8]  # most rows Int8Linear sends to the CPU kernel
 
@@ -199,9 +199,7 @@ def test_one_compiled_row_of_a_large_weight_takes_the_kernel(out):
     compiled = torch.compile(m, fullgraph=True)
     x = torch.randn(1, 96)
     compiled(x)
-    with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CPU]) as prof:
-        got = compiled(x)
-    calls = sum(e.count for e in prof.key_averages() if e.key == "horizon_kernels::rows_matmul")
+    got, calls = rows_matmul_calls(lambda: compiled(x))
     assert calls == (out > FUSED_ONE_ROW_MAX)
     want = m(x).detach()
     torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-5 * float(want.abs().max()))

@@ -14,6 +14,7 @@ import horizon.quant.kernels as kernels
 from horizon.engine.runner import cpu_options
 from horizon.model.moe import Experts
 from horizon.quant.kernels import FUSED_ONE_ROW_MAX, kernel_available, rows_matmul, rows_matmul_reference
+from tests.conftest import rows_matmul_calls
 
 DISABLED = os.environ.get("HORIZON_KERNELS", "1").strip() == "0"
 pytestmark = pytest.mark.skipif(DISABLED, reason="HORIZON_KERNELS=0: the kernel is disabled")
@@ -160,9 +161,7 @@ def compiled_calls(fn, *args) -> tuple[torch.Tensor, int]:
     """fn compiled with the decode step's graph pass: its output and how many rows_matmul calls one run makes."""
     compiled = torch.compile(fn, fullgraph=True, dynamic=False, options=cpu_options(kernels=True))
     compiled(*args)
-    with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CPU]) as prof:
-        out = compiled(*args)
-    return out, sum(e.count for e in prof.key_averages() if e.key == "horizon_kernels::rows_matmul")
+    return rows_matmul_calls(lambda: compiled(*args))
 
 
 @torch.no_grad()

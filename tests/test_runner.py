@@ -14,7 +14,7 @@ from horizon.engine.runner import ModelRunner, StepInputs
 from horizon.model import HorizonCache, HorizonForCausalLM
 from horizon.model.moe import MoE
 
-from .conftest import tiny_model
+from .conftest import rows_matmul_calls, tiny_model
 
 TOPK = ModelConfig.preset("tiny").index_topk
 
@@ -76,12 +76,6 @@ def test_compiled_decode_matches_eager_on_both_sides_of_topk(pair, lengths):
     assert {(pair[0].bucket(len(ps)), sparse) for sparse in (False, True)} <= pair[0].graphs_seen
 
 
-def _rows_matmul_calls(runner, step) -> int:
-    with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CPU]) as prof:
-        runner.run(step)
-    return sum(e.count for e in prof.key_averages() if e.key == "horizon_kernels::rows_matmul")
-
-
 def test_batched_projections_run_in_the_few_rows_kernel(pair):
     """At bucket 4 the graph pass sends the projections to rows_matmul; at bucket 1 only those over
     FUSED_ONE_ROW_MAX (the LM head), the rest stay inductor's own loops. The parity with eager is the test
@@ -100,7 +94,7 @@ def test_batched_projections_run_in_the_few_rows_kernel(pair):
              if isinstance(m, torch.nn.Linear)]
     try:
         for runner in pair:
-            calls[runner.compile] = _rows_matmul_calls(runner, step)
+            calls[runner.compile] = rows_matmul_calls(lambda runner=runner: runner.run(step))[1]
     finally:
         for h in hooks:
             h.remove()
@@ -114,7 +108,7 @@ def test_batched_projections_run_in_the_few_rows_kernel(pair):
     large = [m for m in model.modules() if isinstance(m, torch.nn.Linear)
              and max(m.in_features, m.out_features) > FUSED_ONE_ROW_MAX]
     assert [m is model.lm_head for m in large] == [True]  # the tiny preset's 4,096-token vocabulary
-    assert _rows_matmul_calls(pair[0], StepInputs([[ps[0][-1]]], [len(ps[0])], [0])) == 1
+    assert rows_matmul_calls(lambda: pair[0].run(StepInputs([[ps[0][-1]]], [len(ps[0])], [0])))[1] == 1
 
 
 def test_padding_rows_leave_real_slots_alone(pair):

@@ -60,14 +60,15 @@ NO_ASSERTS = {"size_asserts": False, "alignment_asserts": False, "scalar_asserts
 
 
 def cpu_options(kernels: bool) -> dict:
-    """inductor options for a CPU decode graph; `kernels`: the CPU kernels are built (kernel_available())."""
+    """inductor options for a CPU decode graph; `kernels`: the CPU kernels are built (kernel_available()).
+    Also sets inductor's process-wide one-row rewrite limit to match: that pass reads its limit from the
+    config only when first imported."""
     limit = FUSED_ONE_ROW_MAX if kernels else MM_AS_REDUCTION
-    # the pass reads its limit from the config when first imported: set it on the module too
     from torch._inductor.fx_passes import decompose_mem_bound_mm
 
     decompose_mem_bound_mm.cpu_max_other_dimension_decomposition = limit
     options = {"post_grad_fusion_options": {"decompose_mm_pass": {"cpu_max_other_dimension_decomposition": limit}},
-               "cpp_wrapper": True, **NO_ASSERTS}  # the asserts are the Python wrapper's; off in either
+               "cpp_wrapper": True, **NO_ASSERTS}
     return dict(options, post_grad_custom_post_pass=FewRowMatmuls()) if kernels else options
 
 

@@ -298,9 +298,10 @@ def rows_matmul_reference(x: torch.Tensor, w: torch.Tensor, expert: torch.Tensor
 
 
 # Most rows of x a projection sends to rows_matmul, by weight dtype, where the CPU kernels run (bench/rows.py,
-# 2 threads, cold weights): fp32 at 2-64 rows (PyTorch's CPU sgemm streams a cold fp32 matrix at 4-6 GB/s for
-# 4-16 rows, the kernel at 10-18); bf16 up to 8, past which oneDNN's bf16 matmul was faster on a Zen 4; int8
-# at 1-64, against aten._weight_int8pack_mm 1.1-1.6x at 2 rows, 1.3-1.8x at 8, 1.4-1.6x at 64 (a Xeon).
+# 2 threads, cold weights): fp32 at 1-64 rows (one row only past FUSED_ONE_ROW_MAX, below; PyTorch's CPU
+# sgemm streams a cold fp32 matrix at 4-6 GB/s for 4-16 rows, the kernel at 10-18); bf16 up to 8, past which
+# oneDNN's bf16 matmul was faster on a Zen 4; int8 at 1-64, against aten._weight_int8pack_mm 1.1-1.6x at 2
+# rows, 1.3-1.8x at 8, 1.4-1.6x at 64 (a Xeon).
 FEW_ROWS = {torch.float32: 64, torch.bfloat16: 8, torch.int8: 64}
 # In a compiled graph, a one-row product (a batch-1 decode step) whose weight has at most this many rows and
 # columns stays inductor's multiply-and-sum loop, fused with the ops around it; a larger one (the LM head)
