@@ -44,9 +44,10 @@ def assert_matches(got, want):
 @pytest.mark.parametrize("portable", PATHS)
 @pytest.mark.parametrize("dtype", DTYPES)
 @pytest.mark.parametrize("M,N,K", [(1, 7, 64), (2, 300, 512), (9, 33, 48), (17, 16, 40), (64, 70, 128), (5, 100, 1024),
-                                   (6, 50, 2048)])
+                                   (6, 50, 2048), (33, 70, 256)])
 def test_one_matrix_equals_the_reference(portable, dtype, M, N, K):
-    # M 5 / 6 / 9 / 17 / 64: row tiles of 4 and a remainder, over weight slices of 8 to 168 rows (a whole
+    # M 5 / 9 / 64: row tiles of 4 and a remainder, every pass over a tile at once (x's rows fit 32 KB);
+    # M 6 / 33 with K 2048 / 256: x's rows past 32 KB, passes over weight slices of 8 to 168 rows (a whole
     # number of 8-row tiles where the last pass has one or two rows); N 7 / 33 / 50 / 70 / 100: weight-row
     # tails; K 40: not a multiple of 16 (the portable path whichever is asked)
     x = torch.randn(M, K, generator=torch.Generator().manual_seed(1))

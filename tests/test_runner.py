@@ -78,8 +78,8 @@ def test_compiled_decode_matches_eager_on_both_sides_of_topk(pair, lengths):
 
 def test_batched_projections_run_in_the_few_rows_kernel(pair):
     """At bucket 4 the graph pass sends the projections to rows_matmul; at bucket 1 only those over
-    FUSED_ONE_ROW_MAX (the LM head), the rest stay inductor's own loops. The parity with eager is the test
-    above."""
+    FUSED_ONE_ROW_MAX (the LM head), the rest stay inductor's own loops. The routed experts take the kernel
+    at both. The parity with eager is the test above."""
     from horizon.quant.kernels import FUSED_ONE_ROW_MAX, kernel_available
 
     if not kernel_available():
@@ -100,15 +100,17 @@ def test_batched_projections_run_in_the_few_rows_kernel(pair):
             h.remove()
     routers = sum(isinstance(m, MoE) for m in model.modules())
     assert calls[False] == 0  # eager: F.linear
-    # every nn.Linear the eager step calls (the compiled one runs no hooks), and each router's F.linear
-    assert forwards and calls[True] == len(forwards) + routers
+    # every nn.Linear the eager step calls (the compiled one runs no hooks), each router's F.linear, and the
+    # routed experts' two products (Experts.sync_free) per MoE layer
+    assert forwards and calls[True] == len(forwards) + 3 * routers
 
     prefill(pair, ps[:1])
     decode_both(pair, ps[:1], 1)
     large = [m for m in model.modules() if isinstance(m, torch.nn.Linear)
              and max(m.in_features, m.out_features) > FUSED_ONE_ROW_MAX]
     assert [m is model.lm_head for m in large] == [True]  # the tiny preset's 4,096-token vocabulary
-    assert rows_matmul_calls(lambda: pair[0].run(StepInputs([[ps[0][-1]]], [len(ps[0])], [0])))[1] == 1
+    # the LM head and the routed experts' two products per MoE layer
+    assert rows_matmul_calls(lambda: pair[0].run(StepInputs([[ps[0][-1]]], [len(ps[0])], [0])))[1] == 1 + 2 * routers
 
 
 def test_padding_rows_leave_real_slots_alone(pair):
