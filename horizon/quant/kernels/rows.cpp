@@ -141,17 +141,19 @@ HZ_AVX512F inline void store_sums(const __m512* acc, float* res) {
 
 // Which weights a tile fetches ahead for the next L1 slice: the same NT rows `ahead` (nullptr: none) at
 // every `passes`-th cache line from line `phase`, so a slice's passes between them fetch the next slice
-// once, into L2, while they compute (see part_avx512).
+// once, into L2, while they compute (see part_avx512). In tile_passes (Fetch other than kNextTile): this is
+// pass `phase` of `passes`, and the rows are the next tile's.
 struct Ahead {
   const void* rows = nullptr;
   int64_t phase = 0, passes = 1;
 };
 
-// What a tile prefetches: the next tile's rows into L1 as it goes (and `Ahead`'s slice into L2); a stream of
-// tiles whose rows x re-reads at once (tile_passes): each row 1 KB ahead into L1 and the next tile into L2;
-// or nothing (a later pass over rows the first one brought into L1).
-enum class Fetch { kNextTile, kStream, kNone };
-constexpr int64_t kStreamAheadBytes = 1024;
+// What a tile prefetches: the next tile's rows into L1 as it goes (and `Ahead`'s slice into L2); or, in
+// tile_passes, where every pass over a tile runs at once, the next tile into L2 spread over the passes (pass p
+// fetches its rows p, p + passes, ...: all of them in one pass would queue more misses at once than a core
+// keeps in flight) and, in the first pass, each row 1 KB ahead into L1.
+enum class Fetch { kNextTile, kFirstPass, kLaterPass };
+constexpr int64_t kRowAheadBytes = 1024;
 
 // R rows of x against NT consecutive weight rows (stride K), results into res[R][NT].
 template <typename T, int R, int NT, Fetch F = Fetch::kNextTile>
@@ -170,12 +172,14 @@ HZ_AVX512F void tile(const T* w, const float* x, int64_t K, float* res, Ahead ah
       if constexpr (F == Fetch::kNextTile) {
         _mm_prefetch(reinterpret_cast<const char*>(w + (NT + t) * K + k), _MM_HINT_T0);
         if (fetch) _mm_prefetch(reinterpret_cast<const char*>(next + t * K + k), _MM_HINT_T1);
-      } else if constexpr (F == Fetch::kStream) {
-        _mm_prefetch(reinterpret_cast<const char*>(w + t * K + k) + kStreamAheadBytes, _MM_HINT_T0);
-        _mm_prefetch(reinterpret_cast<const char*>(w + (NT + t) * K + k), _MM_HINT_T1);
+      } else if constexpr (F == Fetch::kFirstPass) {
+        _mm_prefetch(reinterpret_cast<const char*>(w + t * K + k) + kRowAheadBytes, _MM_HINT_T0);
       }
       wv[t] = load16(w + t * K + k);
     }
+    if constexpr (F != Fetch::kNextTile)
+      for (int64_t t = ahead.phase; t < NT; t += ahead.passes)
+        _mm_prefetch(reinterpret_cast<const char*>(w + (NT + t) * K + k), _MM_HINT_T1);
     for (int r = 0; r < R; ++r) {
       const __m512 xv = _mm512_loadu_ps(x + r * K + k);
       for (int t = 0; t < NT; ++t) acc[r][t] = _mm512_fmadd_ps(xv, wv[t], acc[r][t]);
@@ -215,12 +219,12 @@ HZ_AVX512F void rows_block(const Work<T>& p, int64_t e, const float* x, const in
 
 // R rows of x (R <= kMaxRows, known at run time) against one tile of NT weight rows.
 template <typename T, int NT, Fetch F>
-HZ_AVX512F void tile_r(int R, const T* w, const float* x, int64_t K, float* res) {
+HZ_AVX512F void tile_r(int R, const T* w, const float* x, int64_t K, float* res, Ahead ahead = {}) {
   switch (R) {
-    case 1: return tile<T, 1, NT, F>(w, x, K, res);
-    case 2: return tile<T, 2, NT, F>(w, x, K, res);
-    case 3: return tile<T, 3, NT, F>(w, x, K, res);
-    default: return tile<T, 4, NT, F>(w, x, K, res);
+    case 1: return tile<T, 1, NT, F>(w, x, K, res, ahead);
+    case 2: return tile<T, 2, NT, F>(w, x, K, res, ahead);
+    case 3: return tile<T, 3, NT, F>(w, x, K, res, ahead);
+    default: return tile<T, 4, NT, F>(w, x, K, res, ahead);
   }
 }
 
@@ -229,22 +233,25 @@ HZ_AVX512F void tile_r(int R, const T* w, const float* x, int64_t K, float* res)
 // ones reading them from L1. The same sums in the same order as slices of L1's size with passes between them
 // (part_avx512's other path), faster: on a Xeon, 2 threads, cold fp32 weights, interleaved, [1024 x 512] with
 // 5 / 8 / 12 / 16 rows 83 / 87 / 100 / 116 us against 117 / 115 / 106 / 132, [32768 x 512] with 8 and 16
-// rows 2.47 and 3.48 ms against 3.40 and 4.04; int8 [1024 x 512] 1.11-1.12x at 5-16 rows.
+// rows 2.47 and 3.48 ms against 3.40 and 4.04; int8 [1024 x 512] 1.11-1.12x at 5-16 rows. Spreading the
+// next tile's fetch over the passes (`tile`) then gained 1.05-1.17x at 8-16 rows (none at 5, two passes).
 template <typename T>
 HZ_AVX512F void tile_passes(const Work<T>& p, const hz::Group& g, int64_t n0, int64_t n1) {
   constexpr int NT = 4;
   float res[kMaxRows * NT];
   const float* x = p.xg + g.start * p.K;
   const int64_t* rows = p.row_of + g.start;
+  const int64_t passes = (g.count + kMaxRows - 1) / kMaxRows;
   int64_t n = n0;
   for (; n + NT <= n1; n += NT) {
     const T* w = p.row(g.expert, n);
-    for (int64_t r0 = 0; r0 < g.count; r0 += kMaxRows) {
+    for (int64_t r0 = 0, pass = 0; r0 < g.count; r0 += kMaxRows, ++pass) {
       const int R = static_cast<int>(std::min<int64_t>(kMaxRows, g.count - r0));
-      if (r0 == 0) {
-        tile_r<T, NT, Fetch::kStream>(R, w, x + r0 * p.K, p.K, res);
+      const Ahead ahead{nullptr, pass, passes};  // the rows are w's next tile (`tile`, F != kNextTile)
+      if (pass == 0) {
+        tile_r<T, NT, Fetch::kFirstPass>(R, w, x + r0 * p.K, p.K, res, ahead);
       } else {
-        tile_r<T, NT, Fetch::kNone>(R, w, x + r0 * p.K, p.K, res);
+        tile_r<T, NT, Fetch::kLaterPass>(R, w, x + r0 * p.K, p.K, res, ahead);
       }
       for (int r = 0; r < R; ++r)
         for (int t = 0; t < NT; ++t) p.out[rows[r0 + r] * p.N + n + t] = res[r * NT + t];
