@@ -10,6 +10,7 @@ from __future__ import annotations
 import torch
 
 from horizon.engine.params import SamplingParams
+from horizon.quant.kernels import argmax_rows
 
 BAN = -100.0  # a logit_bias of -100 bans the token outright (OpenAI: "should result in a ban")
 
@@ -60,7 +61,7 @@ def sample(logits: torch.Tensor, params: SamplingParams, generated: list[int],
         raise NothingToSample("no token can be sampled: logit_bias, the banned tokens and the output format "
                               "together rule out every token of the vocabulary")
     if params.temperature == 0:
-        return int(logits.argmax())
+        return int(argmax_rows(logits[None])[0])
     # the best logit is 0 before dividing, so any temperature > 0 stays finite (a tiny one acts as greedy)
     logits = (logits - logits.max()) / params.temperature
     if params.top_k and params.top_k < logits.shape[0]:
