@@ -44,7 +44,8 @@ from horizon.quant.mxfp4 import BLOCK, check_packed, dequantize
 log = logging.getLogger(__name__)
 
 SOURCE = Path(__file__).with_name("mxfp4.cpp")
-# one extension: indexer.cpp is horizon.model.dsa's, rows.cpp the few-rows matmul (`rows_matmul` below)
+# one extension: indexer.cpp is horizon.model.dsa's, rows.cpp the few-rows matmul (`rows_matmul` below), argmax.cpp
+# the greedy pick (`argmax_rows` below)
 SOURCES = (SOURCE, Path(__file__).with_name("indexer.cpp"), Path(__file__).with_name("rows.cpp"),
            Path(__file__).with_name("argmax.cpp"))
 HEADERS = (Path(__file__).with_name("grouping.h"),)  # hashed with the sources: a change rebuilds
