@@ -235,8 +235,9 @@ HZ_AVX512F void tile_r(int R, const T* w, const float* x, int64_t K, float* res,
 // 5 / 8 / 12 / 16 rows 83 / 87 / 100 / 116 us against 117 / 115 / 106 / 132, [32768 x 512] with 8 and 16
 // rows 2.47 and 3.48 ms against 3.40 and 4.04; int8 [1024 x 512] 1.11-1.12x at 5-16 rows. Spreading the
 // next tile's fetch over the passes (`tile`) then gained 1.05-1.17x at 8-16 rows (none at 5, two passes).
+// Covers whole tiles only: returns the first weight row it left (fewer than NT), which part_avx512 finishes.
 template <typename T>
-HZ_AVX512F void tile_passes(const Work<T>& p, const hz::Group& g, int64_t n0, int64_t n1) {
+HZ_AVX512F int64_t tile_passes(const Work<T>& p, const hz::Group& g, int64_t n0, int64_t n1) {
   constexpr int NT = 4;
   float res[kMaxRows * NT];
   const float* x = p.xg + g.start * p.K;
@@ -257,13 +258,7 @@ HZ_AVX512F void tile_passes(const Work<T>& p, const hz::Group& g, int64_t n0, in
         for (int t = 0; t < NT; ++t) p.out[rows[r0 + r] * p.N + n + t] = res[r * NT + t];
     }
   }
-  for (; n < n1; ++n) {
-    for (int64_t r0 = 0; r0 < g.count; r0 += kMaxRows) {
-      const int R = static_cast<int>(std::min<int64_t>(kMaxRows, g.count - r0));
-      tile_r<T, 1, Fetch::kNextTile>(R, p.row(g.expert, n), x + r0 * p.K, p.K, res);
-      for (int r = 0; r < R; ++r) p.out[rows[r0 + r] * p.N + n] = res[r];
-    }
-  }
+  return n;
 }
 
 template <typename T>
@@ -273,10 +268,8 @@ HZ_AVX512F void part_avx512(const Work<T>& p, int64_t n0, int64_t n1) {
   static const Fn block[kMaxRows] = {rows_block<T, 1>, rows_block<T, 2>, rows_block<T, 3>, rows_block<T, 4>};
   const int64_t row_bytes = p.K * static_cast<int64_t>(sizeof(float));
   for (const hz::Group& g : *p.groups) {
-    if (g.count > kMaxRows && g.count * row_bytes <= kPassesBytes) {
-      tile_passes(p, g, n0, n1);
-      continue;
-    }
+    // x's rows fit L1: whole tiles with every pass at once, the last few weight rows below
+    const int64_t from = g.count > kMaxRows && g.count * row_bytes <= kPassesBytes ? tile_passes(p, g, n0, n1) : n0;
     // More than kMaxRows rows of x: weight rows in slices of about L1's 32 KB (of fp32), each read from
     // memory once and from L1 by the group's later row tiles; a whole number of every pass's tiles
     // (tile_rows: 4, or 8 for a last pass of 1-2 rows of x), so no slice ends in single-row tiles. One
@@ -285,9 +278,9 @@ HZ_AVX512F void part_avx512(const Work<T>& p, int64_t n0, int64_t n1) {
     // overlaps the FMAs instead of adding to them (fetched only by the first pass, it did not).
     const int64_t last = g.count % kMaxRows;
     const int64_t unit = last == 1 || last == 2 ? 8 : 4;
-    const int64_t slice = g.count <= kMaxRows ? n1 - n0 : std::max(unit, (32 * 1024) / row_bytes / unit * unit);
+    const int64_t slice = g.count <= kMaxRows ? n1 - from : std::max(unit, (32 * 1024) / row_bytes / unit * unit);
     const int64_t passes = (g.count + kMaxRows - 1) / kMaxRows;
-    for (int64_t s0 = n0; s0 < n1; s0 += slice) {
+    for (int64_t s0 = from; s0 < n1; s0 += slice) {
       const int64_t s1 = std::min(n1, s0 + slice);
       const T* next = passes > 1 && s1 < n1 ? p.row(g.expert, s1) : nullptr;
       for (int64_t r0 = 0, pass = 0; r0 < g.count; r0 += kMaxRows, ++pass) {
