@@ -9,7 +9,15 @@ import torch.nn.functional as F
 
 import horizon.model.kda as kda_mod
 from horizon.model import Batch
-from horizon.model.kda import decayed_scores, kda_chunkwise, kda_recurrent, short_conv
+from horizon.model.kda import (
+    decayed_scores,
+    kda_chunkwise,
+    kda_decode,
+    kda_decode_reference,
+    kda_recurrent,
+    short_conv,
+)
+from horizon.quant.kernels import kernel_available
 
 from .conftest import tiny_model
 
@@ -127,3 +135,87 @@ def test_kda_decode_state_is_constant_size(model):
     assert shapes == [((2, H, dk, dk), (2, cfg.kda_conv_size - 1, 3 * H * dk))] * len(cfg.kda_layers)
     batch = Batch.build([5])
     assert batch.max_len == 5
+
+
+needs_kernels = pytest.mark.skipif(not kernel_available(), reason="the CPU kernels did not build")
+
+
+def decode_inputs(B, H, K, V, slots, seed=0):
+    q, k, v, g, beta, _ = inputs(B=B, T=1, H=H, K=K, V=V, seed=seed)
+    state = torch.randn(slots, H, K, V, generator=torch.Generator().manual_seed(seed + 1))
+    return state, q[:, 0], k[:, 0], v[:, 0], g[:, 0], beta[:, 0]
+
+
+def test_decode_reference_is_the_recurrent_step_on_gathered_states():
+    state, q, k, v, g, beta = decode_inputs(B=3, H=2, K=16, V=12, slots=5)
+    slots = torch.tensor([4, 0, 2])
+    before = state.clone()
+    o = kda_decode_reference(state, slots, q, k, v, g, beta)
+    want_o, want_s = kda_recurrent(q[:, None], k[:, None], v[:, None], g[:, None], beta[:, None],
+                                   initial_state=before[slots])
+    assert torch.equal(o, want_o[:, 0]) and torch.equal(state[slots], want_s)
+    assert torch.equal(state[[1, 3]], before[[1, 3]])  # slots nobody uses are left alone
+
+
+@needs_kernels
+@pytest.mark.parametrize("portable", [False, True])
+@pytest.mark.parametrize("K, V", [(64, 64), (16, 32), (32, 16), (8, 128), (12, 24)])  # 24: no AVX-512 width
+def test_decode_kernel_equals_reference_in_place(portable, K, V):
+    """The kernel's outputs and updated states equal the reference's (fp32 summation order apart), only the
+    batch's slots change, and rows sharing a slot (the engine's padding: g = beta = 0) leave it as it was."""
+    state, q, k, v, g, beta = decode_inputs(B=7, H=3, K=K, V=V, slots=9)
+    slots = torch.tensor([5, 8, 0, 8, 3, 8, 6])
+    for b in (1, 3, 5):  # padding rows in the scratch slot 8
+        g[b], beta[b] = 0, 0
+    want_state, got_state = state.clone(), state.clone()
+    want = kda_decode_reference(want_state, slots, q, k, v, g, beta)
+    got = kda_decode(got_state, slots, q, k, v, g, beta, force_portable=portable)
+    torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-6)
+    torch.testing.assert_close(got_state, want_state, rtol=1e-5, atol=1e-6)
+    assert torch.equal(got_state[8], state[8])
+    assert torch.equal(got_state[[1, 2, 4, 7]], state[[1, 2, 4, 7]])
+
+
+@needs_kernels
+def test_decode_kernel_steps_carry_the_state_like_the_chunkwise_form():
+    """Twelve decode steps through the kernel end where one chunkwise pass over the same tokens ends."""
+    q, k, v, g, beta, s0 = inputs(B=2, T=12, H=2, K=64, V=64, seed=3)
+    state = torch.zeros(3, 2, 64, 64)
+    state[[2, 0]] = s0
+    slots = torch.tensor([2, 0])
+    outs = [kda_decode(state, slots, q[:, t], k[:, t], v[:, t], g[:, t], beta[:, t]) for t in range(12)]
+    want_o, want_s = kda_chunkwise(q, k, v, g, beta, initial_state=s0, chunk_size=4)
+    torch.testing.assert_close(torch.stack(outs, 1), want_o, rtol=1e-4, atol=1e-5)
+    torch.testing.assert_close(state[[2, 0]], want_s, rtol=1e-4, atol=1e-5)
+
+
+@needs_kernels
+def test_decode_kernel_rejects_bad_inputs_clearly():
+    state, q, k, v, g, beta = decode_inputs(B=2, H=2, K=16, V=16, slots=3)
+    op = torch.ops.horizon_kernels.kda_decode_
+    alpha = g.exp()
+    with pytest.raises(RuntimeError, match=r"slots\[1\] = 3 is not in \[0, 3\)"):
+        op(state, torch.tensor([0, 3]), q, k, v, alpha, beta, 0.25)
+    with pytest.raises(RuntimeError, match=r"v must be a float32 CPU tensor \[2, 2, 16\]"):
+        op(state, torch.tensor([0, 1]), q, k, v[:, :, :8], alpha, beta, 0.25)
+    with pytest.raises(RuntimeError, match="state must be a contiguous float32"):
+        op(state.double(), torch.tensor([0, 1]), q, k, v, alpha, beta, 0.25)
+    empty = op(state, torch.zeros(0, dtype=torch.long), q[:0], k[:0], v[:0], alpha[:0], beta[:0], 0.25)
+    assert empty.shape == (0, 2, 16)
+
+
+@needs_kernels
+def test_decode_kernel_in_a_compiled_graph_updates_the_cache_itself():
+    """Compiled, the op writes the cache tensor it is given (no copy of the whole cache), and equals eager (up
+    to the last bits of exp(g), which inductor computes with its own vectorised exp)."""
+    state, q, k, v, g, beta = decode_inputs(B=4, H=2, K=16, V=16, slots=6, seed=5)
+    slots = torch.tensor([1, 4, 5, 5])
+    g[3], beta[3] = 0, 0
+    eager_state = state.clone()
+    compiled = torch.compile(lambda *a: kda_decode(state, *a) * 2, fullgraph=True)
+    for _ in range(2):
+        got = compiled(slots, q, k, v, g, beta)
+        want = kda_decode(eager_state, slots, q, k, v, g, beta) * 2
+        torch.testing.assert_close(got, want, rtol=1e-6, atol=1e-7)
+        torch.testing.assert_close(state, eager_state, rtol=1e-6, atol=1e-7)
+    assert not torch.equal(state, decode_inputs(B=4, H=2, K=16, V=16, slots=6, seed=5)[0])  # it did write

@@ -251,7 +251,7 @@ def test_cache_dir_and_packaging(monkeypatch):
     assert kernels.cache_dir().name.startswith(torch.__version__ + "-")
     pyproject = tomllib.loads((Path(__file__).parents[1] / "pyproject.toml").read_text())
     assert "kernels/*.cpp" in pyproject["tool"]["setuptools"]["package-data"]["horizon.quant"]
-    assert kernels.SOURCE.exists() and kernels.SOURCE.parent.name == "kernels"
+    assert all(s.exists() and s.parent.name == "kernels" and s.suffix == ".cpp" for s in kernels.SOURCES)
 
 
 def test_gradients_flow_through_the_kernel_to_x():

@@ -53,6 +53,10 @@ class KDAStateCache:
 
     def write(self, slots: torch.Tensor, state: torch.Tensor, conv: torch.Tensor) -> None:
         self.state[slots] = state.to(self.state.dtype)
+        self.write_conv(slots, conv)
+
+    def write_conv(self, slots: torch.Tensor, conv: torch.Tensor) -> None:
+        """The short convolution's tails alone (a decode step updates the states in place: kda_decode)."""
         self.conv[slots] = conv.to(self.conv.dtype)
 
     def reset(self, slots: torch.Tensor) -> None:

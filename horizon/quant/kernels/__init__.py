@@ -1,7 +1,8 @@
 """Horizon's CPU kernels, JIT-built on first use into one extension: the fused MXFP4 x activation matmul
 (`mxfp4.cpp`, its torch op here), the few-rows matmul of batched decode steps (`rows.cpp`: `rows_matmul`
 here, which the model runner's graph pass and the dense experts call), the lightning indexer's paged
-decode scores (`indexer.cpp`, called from horizon.model.dsa beside its reference) and the engine's greedy
+decode scores (`indexer.cpp`, called from horizon.model.dsa beside its reference), KDA's decode step on the
+cached states in place (`kda.cpp`, called from horizon.model.kda beside its reference) and the engine's greedy
 pick (`argmax.cpp`: `argmax_rows` here, torch.argmax its reference).
 
     out = mxfp4_expert_matmul(x, blocks, scales, expert)   # torch.ops.horizon.mxfp4_expert_matmul
@@ -43,11 +44,10 @@ from horizon.quant.mxfp4 import BLOCK, check_packed, dequantize
 
 log = logging.getLogger(__name__)
 
-SOURCE = Path(__file__).with_name("mxfp4.cpp")
-# one extension: indexer.cpp is horizon.model.dsa's, rows.cpp the few-rows matmul (`rows_matmul` below), argmax.cpp
-# the greedy pick (`argmax_rows` below)
-SOURCES = (SOURCE, Path(__file__).with_name("indexer.cpp"), Path(__file__).with_name("rows.cpp"),
-           Path(__file__).with_name("argmax.cpp"))
+# one extension: indexer.cpp is horizon.model.dsa's, kda.cpp horizon.model.kda's, rows.cpp the few-rows matmul
+# (`rows_matmul` below), argmax.cpp the greedy pick (`argmax_rows` below)
+SOURCES = tuple(Path(__file__).with_name(name) for name in ("mxfp4.cpp", "indexer.cpp", "kda.cpp", "rows.cpp",
+                                                              "argmax.cpp"))
 HEADERS = (Path(__file__).with_name("grouping.h"),)  # hashed with the sources: a change rebuilds
 _lock = threading.Lock()
 _built: bool | None = None  # None: not tried yet in this process
@@ -107,6 +107,10 @@ def _register_fakes() -> None:
     @torch.library.register_fake("horizon_kernels::mxfp4_expert_matmul")
     def _(x, blocks, scales, expert, force_portable=False, int8_activations=False):
         return x.new_empty((x.shape[0], blocks.shape[1]), dtype=torch.float32)
+
+    @torch.library.register_fake("horizon_kernels::kda_decode_")
+    def _(state, slots, q, k, v, alpha, beta, scale, force_portable=False):
+        return v.new_empty(v.shape, dtype=torch.float32)
 
     @torch.library.register_fake("horizon_kernels::rows_matmul")
     def _(x, w, expert=None, force_portable=False):
