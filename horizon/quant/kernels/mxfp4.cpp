@@ -15,7 +15,7 @@
 //   16-entry fp32 table of E2M1 values already multiplied by the block scale (exact: the products have at
 //   most 2 significant bits; NaN for 0xFF), so the decode is 2 permutes. The 256 possible tables are
 //   built once (16 KB, ScaledFP4): loading a block's table instead of scaling one per block took one of
-//   the ~5 vector operations a block costs before its FMAs: 4-6% of the kernel at 1-16 rows per expert.
+//   the ~5 vector operations a block costs before its FMAs: 2-8% of the kernel at 4-64 (token, expert) pairs.
 // - Up to kFusedMaxRows rows per expert: decode straight into FMAs (the decode phase of batch decoding).
 //   More rows (prefill): decode a tile of output rows into a small fp32 buffer once, then a register-
 //   blocked 4x4 microkernel, so the decode cost stays once per weight while the FMAs dominate.
