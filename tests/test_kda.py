@@ -190,6 +190,16 @@ def test_decode_kernel_steps_carry_the_state_like_the_chunkwise_form():
 
 
 @needs_kernels
+def test_decode_with_gradients_takes_the_reference():
+    """The op has no backward: inputs that need a gradient go through the reference, which has one."""
+    state, q, k, v, g, beta = decode_inputs(B=2, H=2, K=16, V=16, slots=3)
+    v.requires_grad_(True)
+    o = kda_decode(state.clone(), torch.tensor([0, 2]), q, k, v, g, beta)
+    o.sum().backward()
+    assert v.grad is not None and v.grad.abs().sum() > 0
+
+
+@needs_kernels
 def test_decode_kernel_rejects_bad_inputs_clearly():
     state, q, k, v, g, beta = decode_inputs(B=2, H=2, K=16, V=16, slots=3)
     op = torch.ops.horizon_kernels.kda_decode_

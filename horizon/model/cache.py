@@ -49,7 +49,11 @@ class KDAStateCache:
         self.conv = torch.zeros(num_slots, cfg.kda_conv_size - 1, 3 * H * dk, dtype=dtype, device=device)
 
     def read(self, slots: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        return self.state[slots], self.conv[slots]
+        return self.state[slots], self.read_conv(slots)
+
+    def read_conv(self, slots: torch.Tensor) -> torch.Tensor:
+        """The short convolution's tails alone (a decode step reads the states in place: kda_decode)."""
+        return self.conv[slots]
 
     def write(self, slots: torch.Tensor, state: torch.Tensor, conv: torch.Tensor) -> None:
         self.state[slots] = state.to(self.state.dtype)

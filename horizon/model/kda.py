@@ -56,14 +56,15 @@ def kda_decode_reference(state, slots, q, k, v, g, beta, scale: float | None = N
 
 def kda_decode(state, slots, q, k, v, g, beta, scale: float | None = None, force_portable: bool = False):
     """kda_decode_reference's result and state update, done where the states lie when the CPU kernels run
-    (horizon/quant/kernels/kda.cpp: each state read and written once, where a compiled PyTorch step gathers,
-    passes over and scatters them, ~6x the memory traffic; 16 sequences x 8 heads: 60-90 against ~390 us).
+    (horizon/quant/kernels/kda.cpp: each state read and written once, where a compiled PyTorch step gathers
+    them, passes over them and scatters them back; 16 sequences x 8 heads of 64 x 64: 66 against ~390 us).
     Called straight through the dispatcher, eagerly and in compiled graphs (the op declares that it writes
-    `state`). Anything else (off the CPU, kernels not built, a non-fp32 cache) takes the reference.
-    force_portable skips the kernel's AVX-512 path."""
+    `state`). Anything else takes the reference: off the CPU, kernels not built, a non-fp32 cache, or inputs
+    that need a gradient (the op has no backward)."""
     from horizon.quant import kernels  # here: horizon.quant's modules import this package
 
-    if state.dtype == torch.float32 and state.is_contiguous() and kernels.kernels_run_on(state.device):
+    grad = torch.is_grad_enabled() and any(t.requires_grad for t in (state, q, k, v, g, beta))
+    if not grad and state.dtype == torch.float32 and state.is_contiguous() and kernels.kernels_run_on(state.device):
         scale = q.shape[-1] ** -0.5 if scale is None else scale
         return torch.ops.horizon_kernels.kda_decode_(state, slots, q.float(), k.float(), v.float(), g.float().exp(),
                                                      beta.float(), scale, force_portable)
@@ -231,7 +232,7 @@ class KimiDeltaAttention(nn.Module):
         if layer_cache is None:
             state, tail = None, qkv.new_zeros(B, self.conv_weight.shape[1] - 1, 3 * P)
         elif decode:
-            state, tail = None, layer_cache.conv[batch.slots]
+            state, tail = None, layer_cache.read_conv(batch.slots)
         else:
             state, tail = layer_cache.read(batch.slots)
         qkv, new_tail = short_conv(qkv, tail, self.conv_weight, batch.lens)
