@@ -1,7 +1,7 @@
 // Rows of a batch grouped by the expert (weight matrix) they are multiplied with: a counting sort on the
 // host, shared by mxfp4.cpp and rows.cpp, so each expert's weights are read once per call whatever the
-// routing, and experts nobody routes to are not read at all. Also the 64-byte-aligned vector both keep
-// their copies of the activations in.
+// routing, and experts nobody routes to are not read at all (kda.cpp groups its rows by cache slot with it).
+// Also the 64-byte-aligned vector both keep their copies of the activations in.
 #pragma once
 
 #include <c10/util/Exception.h>

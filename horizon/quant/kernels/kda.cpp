@@ -22,6 +22,8 @@
 #include <cstdint>
 #include <vector>
 
+#include "grouping.h"
+
 #if (defined(__GNUC__) || defined(__clang__)) && (defined(__x86_64__) || defined(__i386__))
 #define HZ_KDA_AVX512 1
 #include <immintrin.h>
@@ -69,6 +71,8 @@ void head_portable(const Step& p, int64_t b, int64_t h, float* u) {
   }
 }
 
+using HeadFn = void (*)(const Step&, int64_t, int64_t);
+
 #if HZ_KDA_AVX512
 
 bool kda_cpu_has_avx512() {
@@ -107,7 +111,6 @@ HZ_KDA_TARGET void head_avx512(const Step& p, int64_t b, int64_t h) {
   for (int c = 0; c < NV; ++c) _mm512_storeu_ps(p.o + bh * V + 16 * c, o[c]);
 }
 
-using HeadFn = void (*)(const Step&, int64_t, int64_t);
 HeadFn head_avx512_for(int64_t V) {
   switch (V) {
     case 16: return head_avx512<1>;
@@ -121,7 +124,6 @@ HeadFn head_avx512_for(int64_t V) {
 #else
 
 bool kda_cpu_has_avx512() { return false; }
-using HeadFn = void (*)(const Step&, int64_t, int64_t);
 HeadFn head_avx512_for(int64_t) { return nullptr; }
 
 #endif
@@ -160,14 +162,9 @@ at::Tensor kda_decode_(at::Tensor& state, const at::Tensor& slot_, const at::Ten
   for (int64_t b = 0; b < B; ++b)
     TORCH_CHECK(sp[b] >= 0 && sp[b] < S, "kda_decode_: slots[", b, "] = ", sp[b], " is not in [0, ", S, ")");
   // rows by slot, in batch order within a slot: rows sharing one (the engine's padding rows) update it in turn
-  std::vector<int64_t> order(B);
-  for (int64_t b = 0; b < B; ++b) order[b] = b;
-  std::stable_sort(order.begin(), order.end(), [&](int64_t a, int64_t c) { return sp[a] < sp[c]; });
-  std::vector<int64_t> first{0};  // groups: order[first[g] .. first[g + 1])
-  for (int64_t i = 1; i < B; ++i)
-    if (sp[order[i]] != sp[order[i - 1]]) first.push_back(i);
-  first.push_back(B);
-  const int64_t G = static_cast<int64_t>(first.size()) - 1;
+  const hz::Grouping by_slot = hz::group_rows(sp, B, S, "kda_decode_");
+  const std::vector<hz::Group>& groups = by_slot.groups;
+  const int64_t G = static_cast<int64_t>(groups.size());
 
   at::Tensor out = at::empty({B, H, V}, q.options());
   if (B == 0 || H == 0 || V == 0) return out;
@@ -178,12 +175,13 @@ at::Tensor kda_decode_(at::Tensor& state, const at::Tensor& slot_, const at::Ten
   at::parallel_for(0, G * H, 1, [&](int64_t i0, int64_t i1) {
     std::vector<float> u(V);
     for (int64_t i = i0; i < i1; ++i) {
-      const int64_t g = i / H, h = i % H;
-      for (int64_t j = first[g]; j < first[g + 1]; ++j) {
+      const hz::Group& g = groups[i / H];
+      const int64_t h = i % H;
+      for (int64_t j = g.start; j < g.start + g.count; ++j) {
         if (fast) {
-          fast(p, order[j], h);
+          fast(p, by_slot.row_of[j], h);
         } else {
-          head_portable(p, order[j], h, u.data());
+          head_portable(p, by_slot.row_of[j], h, u.data());
         }
       }
     }
