@@ -128,11 +128,10 @@ HeadFn head_avx512_for(int64_t) { return nullptr; }
 
 #endif
 
-void check_rows(const at::Tensor& t, const char* name, int64_t B, int64_t H, int64_t D) {
-  TORCH_CHECK(t.device().is_cpu() && t.scalar_type() == at::kFloat && t.dim() == 3 && t.size(0) == B &&
-                  t.size(1) == H && t.size(2) == D,
-              "kda_decode_: ", name, " must be a float32 CPU tensor [", B, ", ", H, ", ", D, "], got ", t.scalar_type(),
-              " ", t.sizes(), " on ", t.device());
+// t is a float32 CPU tensor of exactly this shape
+void check_rows(const at::Tensor& t, const char* name, at::IntArrayRef shape) {
+  TORCH_CHECK(t.device().is_cpu() && t.scalar_type() == at::kFloat && t.sizes() == shape, "kda_decode_: ", name,
+              " must be a float32 CPU tensor ", shape, ", got ", t.scalar_type(), " ", t.sizes(), " on ", t.device());
 }
 
 at::Tensor kda_decode_(at::Tensor& state, const at::Tensor& slot_, const at::Tensor& q_, const at::Tensor& k_,
@@ -147,14 +146,11 @@ at::Tensor kda_decode_(at::Tensor& state, const at::Tensor& slot_, const at::Ten
               "kda_decode_: slots must be an int64 (or int32) CPU tensor [B], got ", slot_.scalar_type(), " ",
               slot_.sizes());
   const int64_t B = slot_.size(0);
-  check_rows(q_, "q", B, H, K);
-  check_rows(k_, "k", B, H, K);
-  check_rows(v_, "v", B, H, V);
-  check_rows(alpha_, "alpha", B, H, K);
-  TORCH_CHECK(beta_.device().is_cpu() && beta_.scalar_type() == at::kFloat && beta_.dim() == 2 && beta_.size(0) == B &&
-                  beta_.size(1) == H,
-              "kda_decode_: beta must be a float32 CPU tensor [", B, ", ", H, "], got ", beta_.scalar_type(), " ",
-              beta_.sizes());
+  check_rows(q_, "q", {B, H, K});
+  check_rows(k_, "k", {B, H, K});
+  check_rows(v_, "v", {B, H, V});
+  check_rows(alpha_, "alpha", {B, H, K});
+  check_rows(beta_, "beta", {B, H});
   const at::Tensor slot = slot_.to(at::kLong).contiguous();
   const at::Tensor q = q_.contiguous(), k = k_.contiguous(), v = v_.contiguous(), alpha = alpha_.contiguous(),
                    beta = beta_.contiguous();

@@ -507,14 +507,14 @@ HZ_VNNI inline __m128 sum4(__m512 a, __m512 b, __m512 c, __m512 e) {
   return _mm_add_ps(_mm256_castps256_ps128(h), _mm256_extractf128_ps(h, 1));
 }
 
-// R rows of x (grouped rows i0.., one expert) against output rows n..n+NT-1: R*NT independent chains, each
-// split in two int32 accumulators (low and high nibbles) so the vpdpbusd latency overlaps.
 // How far ahead q8_tile fetches weight rows. Without it the hardware prefetcher left the int8 path waiting on
 // memory: cold weights took 1.85x as long as L3-resident ones at 16 sequences (gate_up, 2 threads), 1.39x with
 // it (600 against 777 us a call; 163 against 180 at 4 sequences). 4 and 16 rows ahead did no better than 8 (in
 // a trial on a variant of this loop).
 constexpr int64_t kPrefetchRows = 8;
 
+// R rows of x (grouped rows i0.., one expert) against output rows n..n+NT-1: R*NT independent chains, each
+// split in two int32 accumulators (low and high nibbles) so the vpdpbusd latency overlaps.
 template <int R, int NT>
 HZ_VNNI void q8_tile(const Problem& p, const Q8& a, int64_t expert, int64_t i0, int64_t n, float* res) {
   const int64_t width = a.nsets * kSetBytes;
