@@ -177,6 +177,13 @@ HZ_AVX512 inline void decode_block(const uint8_t* bytes16, uint8_t scale, const 
   hi = _mm512_permutexvar_ps(_mm512_srli_epi32(b, 4), table);
 }
 
+// How many tiles ahead fused_tile fetches weights (and their scales, which the hardware prefetcher left to
+// demand misses): one tile ahead is ~200 ns of decoding at one row of x, about a memory latency, so cold
+// weights still waited. Two tiles against one with the scales unfetched, gate_up / down of `small`, cold,
+// 2 threads, modes alternated in one process (medians of 7): 4 sequences 244 -> 199 / 123 -> 107 us,
+// 16 sequences 839 -> 788 / 461 -> 414 us; 3, 4 and 6 tiles did no better than 2; 1 sequence unchanged.
+constexpr int64_t kFetchTiles = 2;
+
 // R rows of x (one expert) against NT consecutive output rows, decoding straight into FMAs.
 // NT > 1 when R is small keeps enough independent accumulator chains to hide the FMA latency.
 template <int R, int NT>
@@ -187,9 +194,15 @@ HZ_AVX512 void fused_tile(const uint8_t* blocks, const uint8_t* scales, int64_t 
   for (int r = 0; r < R; ++r)
     for (int t = 0; t < NT; ++t) acc[r][t] = _mm512_setzero_ps();
   for (int64_t b = 0; b < nb; ++b) {
-    if ((b & 3) == 0) {  // the next tile's bytes, a cache line (4 blocks) per row at a time: see rows.cpp
+    if ((b & 3) == 0) {  // the tile after next: its bytes a cache line (4 blocks) per row at a time, its scales
       for (int t = 0; t < NT; ++t)
-        _mm_prefetch(reinterpret_cast<const char*>(blocks + ((NT + t) * nb + b) * kBlockBytes), _MM_HINT_T0);
+        _mm_prefetch(reinterpret_cast<const char*>(blocks + ((kFetchTiles * NT + t) * nb + b) * kBlockBytes),
+                     _MM_HINT_T0);
+      if (b == 0) {
+        const uintptr_t first = reinterpret_cast<uintptr_t>(scales + kFetchTiles * NT * nb);
+        for (uintptr_t line = first & ~uintptr_t{63}; line < first + NT * nb; line += 64)
+          _mm_prefetch(reinterpret_cast<const char*>(line), _MM_HINT_T0);
+      }
     }
     for (int t = 0; t < NT; ++t) {
       __m512 lo, hi;
@@ -509,9 +522,10 @@ HZ_VNNI inline __m128 sum4(__m512 a, __m512 b, __m512 c, __m512 e) {
 
 // How far ahead q8_tile fetches weight rows. Without it the hardware prefetcher left the int8 path waiting on
 // memory: cold weights took 1.85x as long as L3-resident ones at 16 sequences (gate_up, 2 threads), 1.39x with
-// it (600 against 777 us a call; 163 against 180 at 4 sequences). 4 and 16 rows ahead did no better than 8 (in
-// a trial on a variant of this loop).
-constexpr int64_t kPrefetchRows = 8;
+// 8 rows (600 against 777 us a call; 163 against 180 at 4 sequences). 16 rows against 8, cold, alternated in
+// one process: gate_up 574 -> 520 us at 16 sequences, 169 -> 122 at 4; down unchanged at 16 (350 / 356),
+// 92 -> 75 at 4; 32 and 64 rows were mixed (gate_up a little faster, down slower).
+constexpr int64_t kPrefetchRows = 16;
 
 // R rows of x (grouped rows i0.., one expert) against output rows n..n+NT-1: R*NT independent chains, each
 // split in two int32 accumulators (low and high nibbles) so the vpdpbusd latency overlaps.
