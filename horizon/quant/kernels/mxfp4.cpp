@@ -177,9 +177,9 @@ HZ_AVX512 inline void decode_block(const uint8_t* bytes16, uint8_t scale, const 
   hi = _mm512_permutexvar_ps(_mm512_srli_epi32(b, 4), table);
 }
 
-// How many tiles ahead fused_tile fetches weights (and their scales, which the hardware prefetcher left to
-// demand misses): one tile ahead is ~200 ns of decoding at one row of x, about a memory latency, so cold
-// weights still waited. Two tiles against one with the scales unfetched, gate_up / down of `small`, cold,
+// How many tiles ahead fused_tile fetches weights and their scales (the scales were once left to demand
+// misses): one tile ahead is ~200 ns of decoding at one row of x, about a memory latency, so cold weights
+// still waited. Two tiles against one with the scales unfetched, gate_up / down of `small`, cold,
 // 2 threads, modes alternated in one process (medians of 7): 4 sequences 244 -> 199 / 123 -> 107 us,
 // 16 sequences 839 -> 788 / 461 -> 414 us; 3, 4 and 6 tiles did no better than 2; 1 sequence unchanged.
 constexpr int64_t kFetchTiles = 2;
