@@ -18,7 +18,6 @@
 #include <ATen/Parallel.h>
 #include <torch/library.h>
 
-#include <algorithm>
 #include <cstdint>
 #include <vector>
 
