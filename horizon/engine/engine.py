@@ -226,9 +226,13 @@ class Engine:
                 raise EngineClosed(self._closed)
             if request.request_id in self.sequences:
                 raise ValueError(f"request_id {request.request_id!r} is already in use")
-            # free slots take requests at the next step: they never wait, so they do not count against the queue
-            if max_queued is not None and self.queued - self.scheduler.slots.num_free >= max_queued:
-                raise QueueFull(self.queued, max_queued)
+            # free slots take requests at the next step: they never wait, so they do not count against the queue.
+            # Counted from the accepted requests alone (added only under this lock): the scheduler's running list
+            # and slot pool change on the engine's thread one after the other, and reading both mid-step refused
+            # a request while a slot was still free (a flaky admission test, 1 run in 5).
+            waiting = len(self.sequences) - self.config.max_num_seqs
+            if max_queued is not None and waiting >= max_queued:
+                raise QueueFull(waiting, max_queued)
             self.sequences[seq.id] = seq
             self._inbox.put(("submit", seq))
         self._wake.set()
