@@ -3,6 +3,7 @@ of its code paths (AVX-512 and portable), for every routing pattern and edge cas
 modules built on it match their reference paths; torch.compile sees it as one opaque op; and a missing or
 disabled kernel falls back to the reference with one warning."""
 
+import fnmatch
 import logging
 import os
 import tomllib
@@ -250,8 +251,12 @@ def test_cache_dir_and_packaging(monkeypatch):
     monkeypatch.delenv("HORIZON_KERNEL_CACHE")
     assert kernels.cache_dir().name.startswith(torch.__version__ + "-")
     pyproject = tomllib.loads((Path(__file__).parents[1] / "pyproject.toml").read_text())
-    assert "kernels/*.cpp" in pyproject["tool"]["setuptools"]["package-data"]["horizon.quant"]
-    assert all(s.exists() and s.parent.name == "kernels" and s.suffix == ".cpp" for s in kernels.SOURCES)
+    # every file the build reads (and hashes) ships in the wheel: with grouping.h left out, a wheel install
+    # could not build the kernels at all (FileNotFoundError), and every layer fell back to its reference
+    globs = pyproject["tool"]["setuptools"]["package-data"]["horizon.quant"]
+    for source in kernels.SOURCES + kernels.HEADERS:
+        assert source.exists() and source.parent.name == "kernels", source
+        assert any(fnmatch.fnmatch(f"kernels/{source.name}", glob) for glob in globs), (source.name, globs)
 
 
 def test_gradients_flow_through_the_kernel_to_x():
