@@ -24,8 +24,12 @@ fake) directly whenever it is built, in compiled graphs too: no Python wrapper p
 Building: `torch.utils.cpp_extension.load` with ninja, lazily on the first call that needs it (never at
 install time), once per process, into $HORIZON_KERNEL_CACHE or ~/.cache/horizon/kernels/<torch>-<source
 hash>. If that fails (no compiler, no ninja) or HORIZON_KERNELS=0, the op falls back to
-`mxfp4_expert_matmul_reference` (pure PyTorch) after one logged warning saying why; inputs off the CPU
-always take the reference.
+`mxfp4_expert_matmul_reference` (pure PyTorch) after one logged warning saying why.
+
+On CUDA the op runs `mxfp4_triton.py`'s Triton kernel (the same decode in registers; it reads the expert ids
+on the device, so CUDA graphs capture it), imported on the first CUDA call only: triton is not a dependency
+(`pip install triton` on a GPU machine; torch's CUDA wheels bring it). Without it, and on other devices, the
+op takes the reference.
 """
 
 from __future__ import annotations
@@ -225,6 +229,46 @@ def mxfp4_expert_matmul_reference(x: torch.Tensor, blocks: torch.Tensor, scales:
     return out
 
 
+# Most rows of x a CUDA call sends to the Triton kernel (every decode bucket's: 256 sequences x 8 experts is
+# 2,048). It reads a row's expert once per row, so a bigger call (a long prefill) dequantises each routed
+# expert once instead, through the reference, which reads the ids on the host (fine outside CUDA graphs).
+GPU_KERNEL_MAX_ROWS = 4096
+_triton_matmul = None  # the Triton kernel's entry point once imported; False: unavailable
+
+
+def _triton_kernel():
+    """horizon.quant.kernels.mxfp4_triton's matmul, imported on first use (only CUDA calls get here), or None
+    when triton is missing or HORIZON_KERNELS=0 (after one logged warning)."""
+    global _triton_matmul
+    if _triton_matmul is None:
+        with _lock:
+            if _triton_matmul is None:
+                if os.environ.get("HORIZON_KERNELS", "1").strip() == "0":
+                    why = "disabled by HORIZON_KERNELS=0"
+                else:
+                    try:
+                        from horizon.quant.kernels.mxfp4_triton import mxfp4_expert_matmul_triton
+
+                        _triton_matmul = mxfp4_expert_matmul_triton
+                    except Exception as exc:  # no triton (pip install triton), or it failed to load
+                        why = f"{type(exc).__name__}: {(str(exc).strip().splitlines() or [''])[-1]}"
+                if _triton_matmul is None:
+                    log.warning("Triton MXFP4 kernel unavailable (%s); MXFP4 layers on CUDA use the PyTorch "
+                                "reference (dequantise, then matmul), which a CUDA graph cannot capture", why)
+                    _triton_matmul = False
+    return _triton_matmul or None
+
+
+def _mxfp4_off_cpu(x: torch.Tensor, blocks: torch.Tensor, scales: torch.Tensor, expert: torch.Tensor,
+                   int8_activations: bool) -> torch.Tensor:
+    """The op where the CPU kernel does not run: the Triton kernel for CUDA calls of up to
+    GPU_KERNEL_MAX_ROWS rows when triton imports, else the reference."""
+    if x.device.type == "cuda" and x.shape[0] <= GPU_KERNEL_MAX_ROWS and (kernel := _triton_kernel()) is not None:
+        _check(x, blocks, scales, expert)
+        return kernel(round_activations(x.float()) if int8_activations else x, blocks, scales, expert)
+    return mxfp4_expert_matmul_reference(x, blocks, scales, expert, int8_activations)
+
+
 def _check(x: torch.Tensor, blocks: torch.Tensor, scales: torch.Tensor, expert: torch.Tensor) -> None:
     check_packed(blocks, scales)
     if blocks.dim() != 4:
@@ -248,7 +292,7 @@ def mxfp4_expert_matmul(x: torch.Tensor, blocks: torch.Tensor, scales: torch.Ten
     if x.device.type == "cpu" and kernel_available():
         return torch.ops.horizon_kernels.mxfp4_expert_matmul(x, blocks, scales, expert, force_portable,
                                                              int8_activations)
-    return mxfp4_expert_matmul_reference(x, blocks, scales, expert, int8_activations)
+    return _mxfp4_off_cpu(x, blocks, scales, expert, int8_activations)
 
 
 @mxfp4_expert_matmul.register_fake
@@ -286,9 +330,10 @@ def mxfp4_matmul(x: torch.Tensor, blocks: torch.Tensor, scales: torch.Tensor, ex
     The compiled kernel straight through the dispatcher whenever it takes the call, in eager mode and inside
     compiled graphs alike (one opaque node there, its fake registered with the build): the custom op's
     Python wrapping costs 15-40 us a call, as much as a batch-1 expert GEMV itself (22 calls a step at
-    `small`). Inside a graph without the kernel (off the CPU, or not built): the custom op, which falls
-    back to the reference; eagerly, the reference. When x needs a gradient (training through frozen MXFP4
-    experts): the custom op, whose registered backward gives d/dx (the C++ op has none).
+    `small`). Inside a graph without the CPU kernel (off the CPU, or not built): the custom op, which takes
+    the Triton kernel on CUDA or the reference; eagerly, the same without the custom op. When x needs a
+    gradient (training through frozen MXFP4 experts): the custom op, whose registered backward gives d/dx (the
+    C++ op has none).
     """
     q8 = int8_activations
     if x.requires_grad and torch.is_grad_enabled():  # training: the custom op carries the backward
@@ -299,7 +344,7 @@ def mxfp4_matmul(x: torch.Tensor, blocks: torch.Tensor, scales: torch.Tensor, ex
         return mxfp4_expert_matmul(x, blocks, scales, expert, False, q8)
     if x.device.type == "cpu" and kernel_available():
         return torch.ops.horizon_kernels.mxfp4_expert_matmul(x, blocks, scales, expert, False, q8)
-    return mxfp4_expert_matmul_reference(x, blocks, scales, expert, q8)
+    return _mxfp4_off_cpu(x, blocks, scales, expert, q8)
 
 
 def rows_matmul_reference(x: torch.Tensor, w: torch.Tensor, expert: torch.Tensor | None = None) -> torch.Tensor:

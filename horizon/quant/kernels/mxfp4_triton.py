@@ -1,0 +1,99 @@
+"""The MXFP4 x activation matmul on CUDA GPUs: a Triton kernel that decodes the packed 4.25-bit weights in
+registers, the GPU counterpart of mxfp4.cpp (same arguments, same result up to summation order).
+
+    out = mxfp4_expert_matmul_triton(x, blocks, scales, expert)   # CUDA tensors; fp32 [M, N]
+
+Imported only where CUDA is present: horizon.quant.kernels sends CUDA tensors here when triton imports, and
+never imports this module otherwise (triton is not a dependency: on a CPU-only machine it would break
+flash-linear-attention's CPU reference, which the tests use).
+
+Why: without it a CUDA step dequantises every routed expert to fp32 (the reference), and the reference reads
+the expert ids on the host, which a CUDA graph cannot capture. The kernel reads the ids on the device, so a
+decode step with MXFP4 experts captures whole.
+
+Layout of the work: one program per (row of x, tile of BLOCK_N output rows of that row's expert); it walks
+K in tiles of BLOCK_B blocks (32 weights each): loads their bytes [BLOCK_N, 16 * BLOCK_B] and scales, decodes
+each nibble to its E2M1 value through fp32 bit patterns (exact), scales it by its block's 2^(s - 127) (exact:
+the products have at most 2 significant bits) and multiplies with x's even / odd elements. A row's expert is
+read once per row routed to it, not once per expert: meant for decode-sized calls (the caller sends at most
+MAX_ROWS rows here; bigger ones, a prefill, dequantise each expert once instead).
+
+Verified here under Triton's interpreter (TRITON_INTERPRET=1, CPU tensors) against the reference; not yet
+run on a GPU (tests/test_mxfp4_triton.py runs on one).
+"""
+
+from __future__ import annotations
+
+import torch
+import triton
+import triton.language as tl
+
+from horizon.quant.mxfp4 import BLOCK, BLOCK_BYTES, E8M0_NAN
+
+MAX_ROWS = 256  # rows of x per call the kernel takes (beyond: each expert dequantised once, then a matmul)
+BLOCK_N = 32  # output rows per program
+BLOCK_B = 4  # 32-weight blocks per step along K (128 weights)
+
+
+@triton.jit
+def _e2m1(code):
+    """4-bit E2M1 codes (int32) -> fp32 values, exactly: sign in bit 3; magnitude code c = 2e + m gives
+    0.5 m for e = 0, else 2^(e - 1) (1 + m / 2), built from fp32 bit patterns."""
+    c = code & 7
+    e = c >> 1
+    m = c & 1
+    bits = tl.where(e == 0, m * (126 << 23), ((e + 126) << 23) | (m << 22))
+    bits = bits | ((code >> 3) << 31)
+    return bits.to(tl.float32, bitcast=True)
+
+
+@triton.jit
+def _e8m0(s):
+    """E8M0 scale bytes (int32) -> fp32 2^(s - 127) exactly (s = 0: the subnormal 2^-127), 0xFF -> NaN."""
+    bits = tl.where(s == 0, 1 << 22, s << 23)
+    bits = tl.where(s == 255, 0x7FC00000, bits)
+    return bits.to(tl.float32, bitcast=True)
+
+
+@triton.jit
+def _kernel(x_ptr, blocks_ptr, scales_ptr, expert_ptr, out_ptr, N, K, nb,
+            BLOCK_N: tl.constexpr, BLOCK_B: tl.constexpr):
+    m = tl.program_id(0)
+    n = tl.program_id(1) * BLOCK_N + tl.arange(0, BLOCK_N)
+    n_ok = n < N
+    row = tl.load(expert_ptr + m).to(tl.int64) * N + n.to(tl.int64)  # weight rows of this row's expert
+    i = tl.arange(0, BLOCK_B * 16)  # byte within the K step: block i // 16, byte i % 16
+    acc = tl.zeros([BLOCK_N], dtype=tl.float32)
+    for b0 in range(0, nb, BLOCK_B):
+        blk = b0 + i // 16
+        ok = n_ok[:, None] & (blk < nb)[None, :]
+        byte = tl.load(blocks_ptr + (row[:, None] * nb + blk[None, :]) * 16 + (i % 16)[None, :], mask=ok,
+                       other=0).to(tl.int32)
+        scale = _e8m0(tl.load(scales_ptr + row[:, None] * nb + blk[None, :], mask=ok, other=127).to(tl.int32))
+        k = blk * 32 + 2 * (i % 16)  # byte j of a block: elements 2j (low nibble) and 2j + 1 (high)
+        x_even = tl.load(x_ptr + m * K + k, mask=k < K, other=0.0)
+        x_odd = tl.load(x_ptr + m * K + k + 1, mask=k + 1 < K, other=0.0)
+        # columns past K never count, whatever their block's scale (a NaN block's columns inside K do)
+        prod = tl.where((k < K)[None, :], _e2m1(byte & 15) * scale * x_even[None, :], 0.0)
+        prod += tl.where((k + 1 < K)[None, :], _e2m1(byte >> 4) * scale * x_odd[None, :], 0.0)
+        acc += tl.sum(prod, axis=1)
+    tl.store(out_ptr + m * N + n, acc, mask=n_ok)
+
+
+def mxfp4_expert_matmul_triton(x: torch.Tensor, blocks: torch.Tensor, scales: torch.Tensor,
+                               expert: torch.Tensor) -> torch.Tensor:
+    """fp32 [M, N]: out[m, n] = sum_k x[m, k] * W_{expert[m]}[n, k], W = (blocks [E, N, nb, 16], scales
+    [E, N, nb]) in MXFP4; x float [M, K] with K <= nb * 32 (taken as fp32), expert int [M]. The caller checks
+    the shapes (horizon.quant.kernels._check) and applies int8 activation rounding first if asked."""
+    M, K = x.shape
+    E, N, nb = scales.shape
+    assert blocks.shape == (E, N, nb, BLOCK_BYTES) and K <= nb * BLOCK and E8M0_NAN == 255
+    out = torch.empty(M, N, dtype=torch.float32, device=x.device)
+    if M == 0 or N == 0:
+        return out
+    if K == 0:
+        return out.zero_()
+    grid = (M, triton.cdiv(N, BLOCK_N))
+    _kernel[grid](x.float().contiguous(), blocks.contiguous(), scales.contiguous(), expert.contiguous(), out,
+                  N, K, nb, BLOCK_N=BLOCK_N, BLOCK_B=BLOCK_B)
+    return out
