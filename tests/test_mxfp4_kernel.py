@@ -143,6 +143,15 @@ def test_the_two_paths_agree_and_bad_input_is_refused():
         kernel(x, blocks, scales, torch.full((30,), 5), False)
     with pytest.raises(RuntimeError, match="225 columns"):
         mxfp4_expert_matmul(torch.randn(30, 225), blocks, scales, expert)
+    # x narrower than the packed weights by more than a block (K <= nb * 32 is the contract): the padding is
+    # never used, by either path or the reference (which once refused it: dequantize's size must end a block)
+    narrow = x[:, :150].clone().requires_grad_()
+    want = torch.einsum("mk,mnk->mn", narrow.detach(), dequantize(blocks, scales, torch.float32)[..., :150][expert])
+    for portable in (False, True):
+        assert_matches(kernel(narrow.detach(), blocks, scales, expert, portable), want)
+    assert_matches(mxfp4_expert_matmul_reference(narrow.detach(), blocks, scales, expert), want)
+    mxfp4_expert_matmul(narrow, blocks, scales, expert).sum().backward()  # the backward takes it too
+    assert_matches(narrow.grad, dequantize(blocks, scales, torch.float32)[..., :150][expert].sum(1))
     assert mxfp4_expert_matmul(x[:0], blocks, scales, expert[:0]).shape == (0, 33)
 
 

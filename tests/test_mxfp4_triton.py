@@ -30,7 +30,8 @@ def _packed(E, N, K, g, device):
 
 def check_parity(device: str) -> None:
     """The kernel == the reference (fp32, up to summation order) over shapes with K off the block size,
-    int32 and int64 ids, NaN (0xFF) and subnormal (0) scale bytes, nonzero codes in the padding past K."""
+    x narrower than the weights, int32 and int64 ids, NaN (0xFF) and subnormal (0) scale bytes, nonzero codes
+    and infinities in the padding past K."""
     from horizon.quant.kernels.mxfp4_triton import mxfp4_expert_matmul_triton as kernel
 
     g = torch.Generator().manual_seed(0)
@@ -43,6 +44,10 @@ def check_parity(device: str) -> None:
             assert got.dtype == torch.float32 and got.shape == (M, N)
             err = ((got - want).abs().max() / want.abs().max()).item()
             assert err < 1e-5, (E, N, K, M, dtype, err)
+    blocks, scales = _packed(3, 24, 200, g, device)  # x narrower than the weights by more than a block
+    x, expert = torch.randn(5, 150, generator=g).to(device), torch.tensor([2, 0, 1, 2, 2], device=device)
+    torch.testing.assert_close(kernel(x, blocks, scales, expert),
+                               mxfp4_expert_matmul_reference(x, blocks, scales, expert), rtol=1e-5, atol=1e-5)
     blocks, scales = _packed(2, 8, 96, g, device)
     scales[0, 1, 0] = 0xFF  # a NaN block: row 0's output 1 is NaN
     scales[1, 2, 1] = 0  # the subnormal scale 2^-127

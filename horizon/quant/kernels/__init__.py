@@ -225,7 +225,7 @@ def mxfp4_expert_matmul_reference(x: torch.Tensor, blocks: torch.Tensor, scales:
         return out
     for e in expert.unique().tolist():
         rows = (expert == e).nonzero().squeeze(1)
-        out[rows] = x[rows] @ dequantize(blocks[e], scales[e], torch.float32, K).T
+        out[rows] = x[rows] @ dequantize(blocks[e], scales[e], torch.float32)[:, :K].T  # K may end blocks early
     return out
 
 
@@ -316,7 +316,7 @@ def _backward(ctx, grad):
     gx = torch.zeros(grad.shape[0], ctx.K, dtype=torch.float32, device=grad.device)
     for e in expert.unique().tolist():
         rows = (expert == e).nonzero().squeeze(1)
-        gx[rows] = grad[rows].float() @ dequantize(blocks[e], scales[e], torch.float32, ctx.K)
+        gx[rows] = grad[rows].float() @ dequantize(blocks[e], scales[e], torch.float32)[:, :ctx.K]
     return gx.to(ctx.dtype), None, None, None, None, None
 
 
