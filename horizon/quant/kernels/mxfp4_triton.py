@@ -18,8 +18,8 @@ the products have at most 2 significant bits) and multiplies with x's even / odd
 read once per row routed to it, not once per expert: meant for decode-sized calls (the caller sends at most
 MAX_ROWS rows here; bigger ones, a prefill, dequantise each expert once instead).
 
-Verified here under Triton's interpreter (TRITON_INTERPRET=1, CPU tensors) against the reference; not yet
-run on a GPU (tests/test_mxfp4_triton.py runs on one).
+Checked against the reference under Triton's interpreter (TRITON_INTERPRET=1, CPU tensors) and compiled
+ahead of time for sm_80 and sm_90; not yet run on a GPU (tests/test_mxfp4_triton.py does, where there is one).
 """
 
 from __future__ import annotations
