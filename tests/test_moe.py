@@ -1,9 +1,10 @@
 """MoE: gate weights, bias-driven selection, group-limited routing, balancing, batched dispatch."""
 
+import pytest
 import torch
 
 from horizon.model import balance_moe_bias
-from horizon.model.moe import MoE, Router
+from horizon.model.moe import MoE, Router, _grouped_mm_takes, dispatch, grouped_experts, swiglu_expert
 
 from .conftest import tiny
 
@@ -107,3 +108,64 @@ def test_bias_and_loads_keep_their_precision_under_bf16():
     assert moe.gate.e_score_correction_bias.dtype == torch.float32
     assert moe.load.dtype == torch.int64
     assert moe.gate.weight.dtype == torch.bfloat16
+
+
+def _experts_problem(N, k, E, d, f, dtype, seed=0):
+    gen = torch.Generator().manual_seed(seed)
+    x = torch.randn(N, d, generator=gen).to(dtype)
+    gate_up = (torch.randn(E, 2 * f, d, generator=gen) * d ** -0.5).to(dtype)
+    down = (torch.randn(E, d, f, generator=gen) * f ** -0.5).to(dtype)
+    idx = torch.rand(N, E, generator=gen).argsort(-1)[:, :k]
+    weights = torch.rand(N, k, generator=gen).softmax(-1)
+    return x, weights, idx, gate_up, down
+
+
+def _dispatched(x, weights, idx, gate_up, down):
+    return dispatch(x, weights, idx, gate_up.shape[0], lambda e, xs: swiglu_expert(gate_up[e], down[e], xs))[0]
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_grouped_experts_equal_the_dispatch_loop(dtype):
+    """The host-sync-free grouped form (CUDA graphs' path for dense experts past 2E pairs, on sm90 in bf16),
+    checked here through torch._grouped_mm's CPU kernel: the same sums as the per-expert loop, also with
+    experts nobody routes to and with another rank's experts (id E, weight 0, under expert parallelism)."""
+    for N, k, E in [(20, 2, 8), (3, 4, 16), (50, 4, 8)]:
+        x, weights, idx, gate_up, down = _experts_problem(N, k, E, 64, 48, dtype)
+        assert torch.equal(grouped_experts(x, weights, idx, gate_up, down), _dispatched(x, weights, idx, gate_up, down))
+        idx[::3, 0] = E
+        weights = weights * (idx < E)
+        got = grouped_experts(x, weights, idx, gate_up, down)
+        assert torch.equal(got, _dispatched(x, weights, idx, gate_up, down)) and got.isfinite().all()
+    assert not _grouped_mm_takes(x, gate_up)  # on the CPU the loop (or the kernels) keep the call
+
+
+def test_grouped_experts_compile_into_one_graph():
+    """fullgraph: no host sync in the trace (torch._grouped_mm's fake takes bf16 only, as its fused kernel)."""
+    x, weights, idx, gate_up, down = _experts_problem(24, 4, 8, 64, 32, torch.bfloat16)
+    compiled = torch.compile(grouped_experts, fullgraph=True, dynamic=False)
+    for seed in range(2):
+        idx = torch.rand(24, 8, generator=torch.Generator().manual_seed(seed)).argsort(-1)[:, :4]
+        want = _dispatched(x, weights, idx, gate_up, down)
+        # inductor fuses silu * up in fp32 before rounding: a bf16 step or two apart
+        torch.testing.assert_close(compiled(x, weights, idx, gate_up, down), want, rtol=2 ** -6, atol=2 ** -6)
+
+
+@pytest.mark.skipif(not torch.cuda.is_available() or torch.cuda.get_device_capability() < (9, 0),
+                    reason="needs a CUDA GPU of compute capability 9.0+ (torch._grouped_mm's fused kernel)")
+def test_dense_experts_past_2e_pairs_capture_in_a_cuda_graph():
+    from horizon.model.moe import Experts
+
+    experts = Experts(8, 64, 32).cuda().to(torch.bfloat16)
+    for p in experts.parameters():
+        torch.nn.init.normal_(p, std=0.1)
+    x, weights, idx, _, _ = _experts_problem(24, 4, 8, 64, 32, torch.bfloat16)  # 96 pairs > 2E
+    x, weights, idx = x.cuda(), weights.cuda(), idx.cuda()
+    assert _grouped_mm_takes(x, experts.gate_up_proj)
+    want = _dispatched(x, weights, idx, experts.gate_up_proj, experts.down_proj)
+    experts.sync_free(x, weights, idx)  # warm-up outside the capture
+    torch.cuda.synchronize()
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        out = experts.sync_free(x, weights, idx)
+    graph.replay()
+    torch.testing.assert_close(out, want, rtol=2 ** -6, atol=2 ** -6)

@@ -12,7 +12,9 @@ the token loads counted since the previous call (all-reduced when torch.distribu
 Dispatch sorts the (token, expert) assignments by expert and runs one matmul per expert that has
 tokens: a loop over experts, never over tokens. That loop needs the counts on the host (one sync a
 layer), so inside a compiled graph (horizon.engine.runner's decode step) it runs as one opaque custom
-op (`horizon::routed_experts`), which the trace does not enter.
+op (`horizon::routed_experts`), which the trace does not enter. A compiled step avoids it where it can
+(`Experts.sync_free`): the CPU kernels, a fused gather for few pairs, and on CUDA in bf16 (sm90+) one
+grouped matmul whose group ends stay on the device (`grouped_experts`), so CUDA graphs capture it.
 """
 
 from __future__ import annotations
@@ -67,6 +69,36 @@ def local_assignments(experts: nn.Module, weights: torch.Tensor, idx: torch.Tens
     local = idx - experts.expert_range[0]
     mine = (local >= 0) & (local < experts.n_experts)
     return weights * mine, torch.where(mine, local, experts.n_experts)
+
+
+def grouped_experts(x: torch.Tensor, weights: torch.Tensor, idx: torch.Tensor, gate_up: torch.Tensor,
+                    down: torch.Tensor) -> torch.Tensor:
+    """`dispatch` over stacked experts (gate_up [E, 2f, d], down [E, d, f]) with nothing read back to the host:
+    the (token, expert) pairs sorted by expert on the device, each expert's rows one group of
+    `torch._grouped_mm`, whose group ends are a device tensor. On CUDA in bf16 from compute capability 9.0
+    that is one fused kernel, so a CUDA graph captures the step at any batch (`_grouped_mm_takes`); its
+    fallback elsewhere (the CPU, on which the tests check this) loops over the groups on the host. idx may
+    hold E (another rank's expert, weight 0): those pairs sort last, outside every group, and give zeros."""
+    N, k = idx.shape
+    E = gate_up.shape[0]
+    flat = idx.flatten()
+    order = flat.argsort(stable=True)  # pairs grouped by expert; pair p is token p // k
+    counts = torch.zeros(E + 1, dtype=torch.int32, device=x.device).scatter_add_(
+        0, flat, torch.ones_like(flat, dtype=torch.int32))  # scatter, not bincount: bincount sizes on the host
+    ends = counts[:E].cumsum(0, dtype=torch.int32)
+    xs = x[order // k]
+    gate, up = torch._grouped_mm(xs, gate_up.transpose(1, 2), offs=ends).chunk(2, dim=-1)
+    ys = torch._grouped_mm(F.silu(gate) * up, down.transpose(1, 2), offs=ends)  # rows past ends[-1]: undefined
+    ys = torch.where((torch.arange(N * k, device=x.device) < ends[-1])[:, None], ys, 0)
+    ys = ys * weights.flatten()[order, None].to(ys.dtype)
+    return torch.zeros_like(x).index_add_(0, order // k, ys.to(x.dtype))
+
+
+def _grouped_mm_takes(x: torch.Tensor, w: torch.Tensor) -> bool:
+    """Whether `grouped_experts` runs without a host sync here: CUDA, bf16, compute capability >= 9.0 (where
+    torch._grouped_mm has its fused kernel)."""
+    return (x.device.type == "cuda" and x.dtype == w.dtype == torch.bfloat16 and hasattr(torch, "_grouped_mm")
+            and torch.cuda.get_device_capability(x.device) >= (9, 0))
 
 
 @torch.library.custom_op("horizon::routed_experts", mutates_args=())
@@ -155,7 +187,9 @@ class Experts(nn.Module):
         59.5 -> 45.3 at 8, 112.9 -> 73.5 at 16. Without it, few pairs (N * k <= 2E) each become a
         product-and-sum that indexes the expert's rows directly, which inductor fuses into one loop streaming
         the weights (no host sync, so CUDA graphs can hold it); it reads an expert once per pair, which is
-        why it loses once pairs share experts. Past 2E pairs, the opaque per-expert loop (`routed_experts`).
+        why it loses once pairs share experts. Past 2E pairs, on CUDA in bf16 (compute capability 9.0+) the
+        grouped matmul (`grouped_experts`), elsewhere the opaque per-expert loop (`routed_experts`), whose host
+        sync a CUDA graph cannot capture.
         """
         N, k = idx.shape
         weights, idx = local_assignments(self, weights, idx)
@@ -169,6 +203,8 @@ class Experts(nn.Module):
         elif N * k <= 2 * self.n_experts:
             gate, up = (xs[:, None, :] * self.gate_up_proj[flat]).sum(-1).chunk(2, dim=-1)
             out = ((F.silu(gate) * up)[:, None, :] * self.down_proj[flat]).sum(-1)
+        elif _grouped_mm_takes(x, self.gate_up_proj):
+            return grouped_experts(x, weights, idx, self.gate_up_proj, self.down_proj)
         else:
             return routed_experts(x, weights, idx, self.gate_up_proj, self.down_proj)
         return (out.view(N, k, -1) * weights[..., None].to(out.dtype)).sum(1)
