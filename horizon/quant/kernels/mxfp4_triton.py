@@ -15,8 +15,8 @@ Layout of the work: one program per (row of x, tile of BLOCK_N output rows of th
 K in tiles of BLOCK_B blocks (32 weights each): loads their bytes [BLOCK_N, 16 * BLOCK_B] and scales, decodes
 each nibble to its E2M1 value through fp32 bit patterns (exact), scales it by its block's 2^(s - 127) (exact:
 the products have at most 2 significant bits) and multiplies with x's even / odd elements. A row's expert is
-read once per row routed to it, not once per expert: meant for decode-sized calls (the caller sends at most
-MAX_ROWS rows here; bigger ones, a prefill, dequantise each expert once instead).
+read once per row routed to it, not once per expert: meant for decode-sized calls (horizon.quant.kernels sends
+at most GPU_KERNEL_MAX_ROWS rows here; bigger ones, a long prefill, dequantise each expert once instead).
 
 Checked against the reference under Triton's interpreter (TRITON_INTERPRET=1, CPU tensors) and compiled
 ahead of time for sm_80 and sm_90; not yet run on a GPU (tests/test_mxfp4_triton.py does, where there is one).
@@ -30,7 +30,6 @@ import triton.language as tl
 
 from horizon.quant.mxfp4 import BLOCK, BLOCK_BYTES, E8M0_NAN
 
-MAX_ROWS = 256  # rows of x per call the kernel takes (beyond: each expert dequantised once, then a matmul)
 BLOCK_N = 32  # output rows per program
 BLOCK_B = 4  # 32-weight blocks per step along K (128 weights)
 
