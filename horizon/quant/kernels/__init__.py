@@ -229,9 +229,10 @@ def mxfp4_expert_matmul_reference(x: torch.Tensor, blocks: torch.Tensor, scales:
     return out
 
 
-# Most rows of x a CUDA call sends to the Triton kernel (every decode bucket's: 256 sequences x 8 experts is
-# 2,048). It reads a row's expert once per row, so a bigger call (a long prefill) dequantises each routed
-# expert once instead, through the reference, which reads the ids on the host (fine outside CUDA graphs).
+# Most rows of x a CUDA call sends to the Triton kernel (every decode bucket's: 256 sequences x 16 experts, the
+# 2.8t preset's top-k, is 4,096). It reads a row's expert once per row, so a bigger call (a long prefill)
+# dequantises each routed expert once instead, through the reference, which reads the ids on the host (fine
+# outside CUDA graphs).
 GPU_KERNEL_MAX_ROWS = 4096
 _triton_matmul = None  # the Triton kernel's entry point once imported; False: unavailable
 
