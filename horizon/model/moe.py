@@ -82,16 +82,16 @@ def grouped_experts(x: torch.Tensor, weights: torch.Tensor, idx: torch.Tensor, g
     N, k = idx.shape
     E = gate_up.shape[0]
     flat = idx.flatten()
-    order = flat.argsort(stable=True)  # pairs grouped by expert; pair p is token p // k
+    order = flat.argsort(stable=True)  # pairs grouped by expert
     counts = torch.zeros(E + 1, dtype=torch.int32, device=x.device).scatter_add_(
         0, flat, torch.ones_like(flat, dtype=torch.int32))  # scatter, not bincount: bincount sizes on the host
     ends = counts[:E].cumsum(0, dtype=torch.int32)
-    xs = x[order // k]
-    gate, up = torch._grouped_mm(xs, gate_up.transpose(1, 2), offs=ends).chunk(2, dim=-1)
+    token = order // k
+    gate, up = torch._grouped_mm(x[token], gate_up.transpose(1, 2), offs=ends).chunk(2, dim=-1)
     ys = torch._grouped_mm(F.silu(gate) * up, down.transpose(1, 2), offs=ends)  # rows past ends[-1]: undefined
     ys = torch.where((torch.arange(N * k, device=x.device) < ends[-1])[:, None], ys, 0)
     ys = ys * weights.flatten()[order, None].to(ys.dtype)
-    return torch.zeros_like(x).index_add_(0, order // k, ys.to(x.dtype))
+    return torch.zeros_like(x).index_add_(0, token, ys.to(x.dtype))
 
 
 def _grouped_mm_takes(x: torch.Tensor, w: torch.Tensor) -> bool:
@@ -193,20 +193,21 @@ class Experts(nn.Module):
         """
         N, k = idx.shape
         weights, idx = local_assignments(self, weights, idx)
+        rows_kernel = _rows_kernel_takes(x, self.gate_up_proj)
+        if not rows_kernel and N * k > 2 * self.n_experts:  # these take the assignments as they are
+            if _grouped_mm_takes(x, self.gate_up_proj):
+                return grouped_experts(x, weights, idx, self.gate_up_proj, self.down_proj)
+            return routed_experts(x, weights, idx, self.gate_up_proj, self.down_proj)
         flat = idx.flatten().clamp(max=self.n_experts - 1)  # another rank's experts: any row, weight 0
         xs = x.repeat_interleave(k, dim=0)  # row t * k + j: token t for its j-th expert
-        if _rows_kernel_takes(x, self.gate_up_proj):
+        if rows_kernel:
             rows_matmul = torch.ops.horizon_kernels.rows_matmul
             # rounded to x's dtype between the matmuls, as the eager loop's F.linear rounds its output
             gate, up = rows_matmul(xs, self.gate_up_proj, flat).to(x.dtype).chunk(2, dim=-1)
             out = rows_matmul(F.silu(gate) * up, self.down_proj, flat).to(x.dtype)
-        elif N * k <= 2 * self.n_experts:
+        else:
             gate, up = (xs[:, None, :] * self.gate_up_proj[flat]).sum(-1).chunk(2, dim=-1)
             out = ((F.silu(gate) * up)[:, None, :] * self.down_proj[flat]).sum(-1)
-        elif _grouped_mm_takes(x, self.gate_up_proj):
-            return grouped_experts(x, weights, idx, self.gate_up_proj, self.down_proj)
-        else:
-            return routed_experts(x, weights, idx, self.gate_up_proj, self.down_proj)
         return (out.view(N, k, -1) * weights[..., None].to(out.dtype)).sum(1)
 
 

@@ -121,13 +121,23 @@ def _register_fakes() -> None:
         return x.new_empty((x.shape[0], w.shape[-2]), dtype=torch.float32)
 
 
+def _disabled() -> bool:
+    """HORIZON_KERNELS=0: every kernel off (the CPU extension and the Triton one), the references in their place."""
+    return os.environ.get("HORIZON_KERNELS", "1").strip() == "0"
+
+
+def _last_line(exc: Exception) -> str:
+    """The last line of a failure's message (a compiler's or an importer's), for the one warning logged."""
+    return (str(exc).strip().splitlines() or [""])[-1]
+
+
 def kernel_available() -> bool:
     """Whether the compiled kernel is loaded (building it now if this process has not tried yet)."""
     global _built
     if _built is None:
         with _lock:
             if _built is None:
-                if os.environ.get("HORIZON_KERNELS", "1").strip() == "0":
+                if _disabled():
                     log.warning("MXFP4 kernel disabled by HORIZON_KERNELS=0: MXFP4 layers use the PyTorch "
                                 "reference (dequantise, then matmul)")
                     _built = False
@@ -137,7 +147,7 @@ def kernel_available() -> bool:
                         _register_fakes()
                         _built = True
                     except Exception as exc:  # any build or load failure: the reference still works
-                        why = (str(exc).strip().splitlines() or [""])[-1]
+                        why = _last_line(exc)
                         log.warning("CPU kernels unavailable (building %s failed: %s: %s); MXFP4 layers use "
                                     "the PyTorch reference (dequantise, then matmul), and the DSA indexer "
                                     "gathers its keys before scoring them", " and ".join(s.name for s in SOURCES),
@@ -244,7 +254,7 @@ def _triton_kernel():
     if _triton_matmul is None:
         with _lock:
             if _triton_matmul is None:
-                if os.environ.get("HORIZON_KERNELS", "1").strip() == "0":
+                if _disabled():
                     why = "disabled by HORIZON_KERNELS=0"
                 else:
                     try:
@@ -252,7 +262,7 @@ def _triton_kernel():
 
                         _triton_matmul = mxfp4_expert_matmul_triton
                     except Exception as exc:  # no triton (pip install triton), or it failed to load
-                        why = f"{type(exc).__name__}: {(str(exc).strip().splitlines() or [''])[-1]}"
+                        why = f"{type(exc).__name__}: {_last_line(exc)}"
                 if _triton_matmul is None:
                     log.warning("Triton MXFP4 kernel unavailable (%s); MXFP4 layers on CUDA use the PyTorch "
                                 "reference (dequantise, then matmul), which a CUDA graph cannot capture", why)
