@@ -17,7 +17,7 @@ import sys
 import pytest
 import torch
 
-from horizon.quant.kernels import mxfp4_expert_matmul_reference
+from horizon.quant.kernels import expert_tiles, mxfp4_expert_matmul_reference
 from horizon.quant.mxfp4 import quantize
 
 HAS_TRITON = importlib.util.find_spec("triton") is not None
@@ -36,7 +36,8 @@ def check_parity(device: str) -> None:
     from horizon.quant.kernels.mxfp4_triton import mxfp4_expert_matmul_triton as kernel
 
     g = torch.Generator().manual_seed(0)
-    for E, N, K, M in [(4, 40, 64, 3), (8, 64, 200, 7), (3, 33, 31, 1), (2, 96, 512, 5), (5, 17, 100, 9)]:
+    for E, N, K, M in [(4, 40, 64, 3), (8, 64, 200, 7), (3, 33, 31, 1), (2, 96, 512, 5), (5, 17, 100, 9),
+                       (2, 40, 64, 50)]:  # the last: several tiles of rows for one expert
         blocks, scales = _packed(E, N, K, g, device)
         x = torch.randn(M, K, generator=g).to(device)
         for dtype in (torch.int64, torch.int32):
@@ -61,6 +62,41 @@ def check_parity(device: str) -> None:
     torch.testing.assert_close(got.nan_to_num(), want.nan_to_num(), rtol=1e-5, atol=1e-5)
     empty = kernel(x[:0], blocks, scales, expert[:0])
     assert empty.shape == (0, 8)
+    # ids outside [0, E) (another rank's experts, or a bug): zeros for those rows, the others unchanged
+    blocks, scales = _packed(3, 40, 64, g, device)
+    x, expert = torch.randn(6, 64, generator=g).to(device), torch.tensor([2, 3, 0, -1, 2, 7], device=device)
+    got = kernel(x, blocks, scales, expert)
+    ok = torch.tensor([True, False, True, False, True, False], device=device)
+    assert torch.equal(got[~ok], torch.zeros_like(got[~ok]))
+    torch.testing.assert_close(got[ok], mxfp4_expert_matmul_reference(x[ok], blocks, scales, expert[ok]), rtol=1e-5,
+                               atol=1e-5)
+
+
+@pytest.mark.parametrize("M, E, block_m", [(0, 4, 16), (1, 4, 16), (64, 64, 16), (300, 8, 16), (17, 3, 4),
+                                           (5, 100, 16), (40, 1, 16)])
+def test_expert_tiles_put_every_routed_row_in_one_tile_of_its_expert(M, E, block_m):
+    """The kernel's grouping (plain PyTorch, so checked everywhere): fixed shapes; each row with an id in
+    [0, E) in exactly one slot of a tile of its expert, in row order within the expert; rows of other ids
+    nowhere; the filled tiles first, in expert order, none without a row."""
+    g = torch.Generator().manual_seed(M * 1000 + E)
+    for dtype in (torch.int64, torch.int32):
+        ids = torch.randint(-1, E + 2, (M,), generator=g).to(dtype)
+        tile_expert, slot_row = expert_tiles(ids, E, block_m)
+        T = -(-M // block_m) + min(E, M)
+        assert tile_expert.shape == (T,) and slot_row.shape == (T * block_m,)
+        assert tile_expert.dtype == slot_row.dtype == torch.int32
+        slots = slot_row.view(T, block_m).tolist()
+        where = {row: t for t, tile in enumerate(slots) for row in tile if row >= 0}
+        assert sorted(where) == [m for m in range(M) if 0 <= ids[m] < E]  # each routed row once, no other
+        assert len(where) == sum(r >= 0 for tile in slots for r in tile)
+        assert all(tile_expert[t] == ids[m] for m, t in where.items())
+        te = tile_expert.tolist()
+        assert te == sorted(te) and all(0 <= e <= E for e in te)
+        assert [any(r >= 0 for r in tile) for tile in slots] == [e < E for e in te]  # filled tiles: an expert
+        for e in set(te) - {E}:  # an expert's rows fill its tiles in row order, leaving at most the last partial
+            rows = [r for t, tile in enumerate(slots) if te[t] == e for r in tile]
+            filled = [r for r in rows if r >= 0]
+            assert filled == sorted(filled) and rows[:len(filled)] == filled
 
 
 @pytest.mark.skipif(not HAS_TRITON or HAS_CUDA, reason="triton is not installed (not a dependency); or a GPU "
@@ -76,13 +112,14 @@ COMPILE_FOR_GPUS = r"""
 import triton
 from triton.backends.compiler import GPUTarget
 from triton.compiler import ASTSource
-from horizon.quant.kernels.mxfp4_triton import BLOCK_B, BLOCK_N, _kernel
-for ids in ("*i64", "*i32"):
-    signature = {"x_ptr": "*fp32", "blocks_ptr": "*u8", "scales_ptr": "*u8", "expert_ptr": ids, "out_ptr": "*fp32",
-                 "N": "i32", "K": "i32", "nb": "i32", "BLOCK_N": "constexpr", "BLOCK_B": "constexpr"}
-    source = ASTSource(fn=_kernel, signature=signature, constexprs={"BLOCK_N": BLOCK_N, "BLOCK_B": BLOCK_B})
-    for capability in (80, 90):  # A100, H100 / H200
-        assert triton.compile(source, target=GPUTarget("cuda", capability, 32)).asm["cubin"]
+from horizon.quant.kernels.mxfp4_triton import BLOCK_B, BLOCK_M, BLOCK_N, _kernel
+signature = {"x_ptr": "*fp32", "blocks_ptr": "*u8", "scales_ptr": "*u8", "tile_expert_ptr": "*i32",
+             "slot_row_ptr": "*i32", "out_ptr": "*fp32", "E": "i32", "N": "i32", "K": "i32", "nb": "i32",
+             "BLOCK_M": "constexpr", "BLOCK_N": "constexpr", "BLOCK_B": "constexpr"}
+constexprs = {"BLOCK_M": BLOCK_M, "BLOCK_N": BLOCK_N, "BLOCK_B": BLOCK_B}
+source = ASTSource(fn=_kernel, signature=signature, constexprs=constexprs)
+for capability in (80, 90):  # A100, H100 / H200
+    assert triton.compile(source, target=GPUTarget("cuda", capability, 32)).asm["cubin"]
 print("ok")
 """
 
@@ -114,7 +151,7 @@ def test_triton_kernel_on_cuda(monkeypatch):
 
     # CUDA calls go to the kernel (the reference would fail here), through the module path and the custom op
     def no_reference(*args, **kwargs):
-        raise AssertionError("a CUDA call of decode size took the reference")
+        raise AssertionError("a CUDA call took the reference")
 
     monkeypatch.setattr(kernels, "mxfp4_expert_matmul_reference", no_reference)
     torch.testing.assert_close(kernels.mxfp4_matmul(x, blocks, scales, expert), want, rtol=1e-5, atol=1e-4)

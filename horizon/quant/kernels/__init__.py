@@ -26,10 +26,10 @@ install time), once per process, into $HORIZON_KERNEL_CACHE or ~/.cache/horizon/
 hash>. If that fails (no compiler, no ninja) or HORIZON_KERNELS=0, the op falls back to
 `mxfp4_expert_matmul_reference` (pure PyTorch) after one logged warning saying why.
 
-On CUDA the op runs `mxfp4_triton.py`'s Triton kernel (the same decode in registers; it reads the expert ids
-on the device, so CUDA graphs capture it), imported on the first CUDA call only: triton is not a dependency
-(`pip install triton` on a GPU machine; torch's CUDA wheels bring it). Without it, and on other devices, the
-op takes the reference.
+On CUDA the op runs `mxfp4_triton.py`'s Triton kernel (the same decode in registers, over rows grouped by
+expert on the device by `expert_tiles`, so CUDA graphs capture it), imported on the first CUDA call only:
+triton is not a dependency (`pip install triton` on a GPU machine; torch's CUDA wheels bring it). Without it,
+and on other devices, the op takes the reference.
 """
 
 from __future__ import annotations
@@ -239,11 +239,32 @@ def mxfp4_expert_matmul_reference(x: torch.Tensor, blocks: torch.Tensor, scales:
     return out
 
 
-# Most rows of x a CUDA call sends to the Triton kernel (every decode bucket's: 256 sequences x 16 experts, the
-# 2.8t preset's top-k, is 4,096). It reads a row's expert once per row, so a bigger call (a long prefill)
-# dequantises each routed expert once instead, through the reference, which reads the ids on the host (fine
-# outside CUDA graphs).
-GPU_KERNEL_MAX_ROWS = 4096
+def expert_tiles(expert: torch.Tensor, E: int, block_m: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """Rows grouped by expert into tiles of block_m rows, on the device, in shapes fixed by (M, E, block_m),
+    so a CUDA graph captures it: grouping.h's counterpart for the Triton kernel (mxfp4_triton.py).
+
+    expert int [M] -> (tile_expert int32 [T]: tile t's expert, E for a tile past those the routing fills;
+    slot_row int32 [T * block_m]: the row of x in each slot of each tile, -1 for an empty one), with
+    T = ceil(M / block_m) + min(E, M), the most any routing needs (each expert with rows leaves at most one
+    tile partly filled). Tiles go in expert order, rows keep their order within an expert, and a row whose id
+    is outside [0, E) is in no tile."""
+    M, dev = expert.shape[0], expert.device
+    T = -(-M // block_m) + min(E, M)
+    ids = expert.long()
+    key = torch.where((ids >= 0) & (ids < E), ids, E)  # rows of no expert here: bucket E, in no tile
+    counts = torch.zeros(E + 1, dtype=torch.int64, device=dev).scatter_add_(0, key, torch.ones_like(key))
+    tiles = (counts[:E] + block_m - 1) // block_m
+    tile_end = tiles.cumsum(0)
+    tile_expert = torch.searchsorted(tile_end, torch.arange(T, device=dev), right=True).to(torch.int32)
+    order = key.argsort(stable=True)  # rows grouped by expert (a device sort, not grouping.h's host pass)
+    sorted_key = key[order]
+    rank = torch.arange(M, device=dev) - (counts.cumsum(0) - counts)[sorted_key]  # place within its expert
+    first_slot = torch.cat([(tile_end - tiles) * block_m, tile_end.new_full((1,), T * block_m)])
+    slot = first_slot[sorted_key] + rank  # every row its own slot (bucket E's past the tiles, then cut off)
+    slot_row = torch.full((T * block_m + M,), -1, dtype=torch.int64, device=dev).scatter_(0, slot, order)
+    return tile_expert, slot_row[:T * block_m].to(torch.int32)
+
+
 _triton_matmul = None  # the Triton kernel's entry point once imported; False: unavailable
 
 
@@ -272,9 +293,9 @@ def _triton_kernel():
 
 def _mxfp4_off_cpu(x: torch.Tensor, blocks: torch.Tensor, scales: torch.Tensor, expert: torch.Tensor,
                    int8_activations: bool) -> torch.Tensor:
-    """The op where the CPU kernel does not run: the Triton kernel for CUDA calls of up to
-    GPU_KERNEL_MAX_ROWS rows when triton imports, else the reference."""
-    if x.device.type == "cuda" and x.shape[0] <= GPU_KERNEL_MAX_ROWS and (kernel := _triton_kernel()) is not None:
+    """The op where the CPU kernel does not run: the Triton kernel for CUDA calls when triton imports, else
+    the reference."""
+    if x.device.type == "cuda" and (kernel := _triton_kernel()) is not None:
         _check(x, blocks, scales, expert)
         return kernel(round_activations(x.float()) if int8_activations else x, blocks, scales, expert)
     return mxfp4_expert_matmul_reference(x, blocks, scales, expert, int8_activations)
@@ -398,6 +419,6 @@ def rows_matmul(x: torch.Tensor, w: torch.Tensor, expert: torch.Tensor | None = 
     return rows_matmul_reference(x, w, expert)
 
 
-__all__ = ["FEW_ROWS", "FUSED_ONE_ROW_MAX", "cache_dir", "dequantize_activations", "has_avx512", "has_vnni",
-           "kernel_available", "kernels_run_on", "mxfp4_expert_matmul", "mxfp4_expert_matmul_reference", "mxfp4_matmul",
-           "quantize_activations", "round_activations", "rows_matmul", "rows_matmul_reference"]
+__all__ = ["FEW_ROWS", "FUSED_ONE_ROW_MAX", "cache_dir", "dequantize_activations", "expert_tiles", "has_avx512",
+           "has_vnni", "kernel_available", "kernels_run_on", "mxfp4_expert_matmul", "mxfp4_expert_matmul_reference",
+           "mxfp4_matmul", "quantize_activations", "round_activations", "rows_matmul", "rows_matmul_reference"]
