@@ -210,6 +210,41 @@ def test_mxfp4_linear_equals_linear_with_dequantized_weights():
 
 
 @torch.no_grad()
+def test_the_modules_decode_in_the_kernel_where_it_runs_and_dequantise_only_elsewhere(monkeypatch):
+    """MXFP4Linear and MXFP4Experts.expert take the fused kernel wherever `mxfp4_kernel_runs_on` says it runs
+    (here the CPU kernel; on CUDA the Triton one: tests/test_mxfp4_triton.py) and never expand the matrix;
+    where it does not, they dequantise, with the same result."""
+    import horizon.quant.layers as layers
+
+    torch.manual_seed(0)
+    lin = MXFP4Linear.from_linear(nn.Linear(64, 20, bias=True))
+    dense = Experts(3, 64, 32)
+    nn.init.normal_(dense.gate_up_proj, std=0.1), nn.init.normal_(dense.down_proj, std=0.1)
+    experts = MXFP4Experts.from_experts(dense)
+    x = torch.randn(5, 64)
+    want = F.linear(x, lin.weight, lin.bias)
+    want_e = [experts.expert(e, x) for e in range(3)]
+    assert kernels.mxfp4_kernel_runs_on(torch.device("cpu"))
+    assert not kernels.mxfp4_kernel_runs_on(torch.device("meta"))
+
+    def forbidden(*args, **kwargs):
+        raise AssertionError("took the other path")
+
+    with monkeypatch.context() as m:
+        m.setattr(layers, "dequantize", forbidden)
+        assert_matches(lin(x), want)
+        for e in range(3):
+            assert_matches(experts.expert(e, x), want_e[e])
+    with monkeypatch.context() as m:
+        m.setattr(kernels, "_built", False)  # as after a failed build
+        m.setattr(layers, "mxfp4_matmul", forbidden)
+        assert not kernels.mxfp4_kernel_runs_on(torch.device("cpu"))
+        assert_matches(lin(x), want)
+        for e in range(3):
+            assert_matches(experts.expert(e, x), want_e[e])
+
+
+@torch.no_grad()
 def test_compiled_sync_free_is_one_graph_with_the_op_opaque():
     _, m = random_experts(E=4, d=32, f=32)
     x = torch.randn(6, 32)

@@ -158,6 +158,25 @@ def test_triton_kernel_on_cuda(monkeypatch):
     torch.testing.assert_close(kernels.mxfp4_expert_matmul(x, blocks, scales, expert), want, rtol=1e-5, atol=1e-4)
     torch.testing.assert_close(kernels.mxfp4_matmul(x, blocks, scales, expert, int8_activations=True), want_q8,
                                rtol=1e-5, atol=1e-4)
+    # so do the MXFP4 modules (they never expand the matrix where the kernel runs)
+    import horizon.quant.layers as layers
+    from horizon.model.moe import Experts
+    from horizon.quant import MXFP4Experts, MXFP4Linear
+
+    lin = MXFP4Linear.from_linear(torch.nn.Linear(512, 96).cuda())
+    dense = Experts(4, 512, 64).cuda()
+    torch.nn.init.normal_(dense.gate_up_proj, std=0.05), torch.nn.init.normal_(dense.down_proj, std=0.05)
+    experts = MXFP4Experts.from_experts(dense)
+    with torch.no_grad():
+        want_lin = torch.nn.functional.linear(x, lin.weight, lin.bias)
+        want_e = [layers.F.linear(layers.F.silu(g) * u, experts.weight("down_proj", e, torch.float32))
+                  for e in range(4)
+                  for g, u in [layers.F.linear(x, experts.weight("gate_up_proj", e, torch.float32)).chunk(2, -1)]]
+        monkeypatch.setattr(layers, "dequantize", no_reference)
+        assert kernels.mxfp4_kernel_runs_on(x.device)
+        torch.testing.assert_close(lin(x), want_lin, rtol=1e-5, atol=1e-4)
+        for e in range(4):
+            torch.testing.assert_close(experts.expert(e, x), want_e[e], rtol=1e-5, atol=1e-4)
 
     # a CUDA graph captures it (the ids stay on the device) and replays it on new inputs
     static_x, static_ids = x.clone(), expert.clone()

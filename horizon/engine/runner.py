@@ -146,12 +146,12 @@ class ModelRunner:
         self._graph = None
         self.compile_seconds = 0.0  # time spent in steps that compiled a new graph
         self.graphs_seen: set[tuple[int, bool]] = set()  # (bucket, sparse) pairs compiled so far
-        if compile and self.device.type == "cpu":
-            # build the CPU kernels now (or learn that they cannot be built): the graphs read that, and a
-            # kernel built after the first graph would change what the graph should call, a recompile
-            from horizon.quant.kernels import kernel_available
+        if compile:
+            # build the CPU kernels / import the Triton one now (or learn that they cannot be): the graphs read
+            # that, and a kernel that arrives after the first graph would change what it should call, a recompile
+            from horizon.quant.kernels import mxfp4_kernel_runs_on
 
-            kernel_available()
+            mxfp4_kernel_runs_on(self.device)
 
     # --- the step -------------------------------------------------------------------------------
     @torch.inference_mode()

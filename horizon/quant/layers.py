@@ -27,7 +27,7 @@ from torch import nn
 from horizon.model.dsa import GatedDSA
 from horizon.model.kda import KimiDeltaAttention
 from horizon.model.moe import Experts, local_assignments
-from horizon.quant.kernels import kernel_available, mxfp4_matmul, round_activations
+from horizon.quant.kernels import mxfp4_kernel_runs_on, mxfp4_matmul, round_activations
 from horizon.quant.mxfp4 import BLOCK, BLOCK_BYTES, dequantize, quantize
 
 # The attention projections `quantize_model(attention=True)` stores as MXFP4: the big q/k/v/output
@@ -96,9 +96,9 @@ class MXFP4Experts(nn.Module):
 
     def expert(self, e: int, x: torch.Tensor) -> torch.Tensor:
         q8 = self.int8_activations
-        if x.device.type == "cpu" and kernel_available():
+        if mxfp4_kernel_runs_on(x.device):
             # the kernel on expert e's slice (a view, ids all 0): the packed bytes are decoded in registers
-            zeros = torch.zeros(x.shape[0], dtype=torch.long)
+            zeros = torch.zeros(x.shape[0], dtype=torch.long, device=x.device)
             gate, up = mxfp4_matmul(x, self.gate_up_proj_blocks[e:e + 1], self.gate_up_proj_scales[e:e + 1],
                                     zeros, q8).to(x.dtype).chunk(2, dim=-1)
             # rounded to x.dtype between the matmuls, as F.linear in that dtype rounds its output
@@ -181,10 +181,10 @@ class MXFP4Linear(PackedLinear):
         return dequantize(self.weight_blocks, self.weight_scales, torch.float32, self.in_features)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        if x.device.type == "cpu" and kernel_available():
+        if mxfp4_kernel_runs_on(x.device):
             # the fused kernel with one "expert": the matrix is never expanded
             rows = x.reshape(-1, x.shape[-1])
-            zeros = torch.zeros(rows.shape[0], dtype=torch.long)
+            zeros = torch.zeros(rows.shape[0], dtype=torch.long, device=x.device)
             y = mxfp4_matmul(rows, self.weight_blocks[None], self.weight_scales[None], zeros, self.int8_activations)
             y = y.to(x.dtype).view(*x.shape[:-1], self.out_features)
             return y if self.bias is None else y + self.bias

@@ -291,6 +291,16 @@ def _triton_kernel():
     return _triton_matmul or None
 
 
+def mxfp4_kernel_runs_on(device: torch.device) -> bool:
+    """Whether `mxfp4_matmul` decodes the packed weights in registers for tensors on `device` (the CPU kernel
+    built, or on CUDA the Triton kernel imported) rather than dequantising: the MXFP4 modules' choice between
+    it and a dequantised matrix. The first call builds / imports the kernel (the model runner calls it
+    before compiling); traced into a compiled graph, it only reads whether that happened."""
+    if device.type == "cuda":
+        return bool(_triton_matmul) if torch.compiler.is_compiling() else _triton_kernel() is not None
+    return kernels_run_on(device)
+
+
 def _mxfp4_off_cpu(x: torch.Tensor, blocks: torch.Tensor, scales: torch.Tensor, expert: torch.Tensor,
                    int8_activations: bool) -> torch.Tensor:
     """The op where the CPU kernel does not run: the Triton kernel for CUDA calls when triton imports, else
@@ -421,4 +431,5 @@ def rows_matmul(x: torch.Tensor, w: torch.Tensor, expert: torch.Tensor | None = 
 
 __all__ = ["FEW_ROWS", "FUSED_ONE_ROW_MAX", "cache_dir", "dequantize_activations", "expert_tiles", "has_avx512",
            "has_vnni", "kernel_available", "kernels_run_on", "mxfp4_expert_matmul", "mxfp4_expert_matmul_reference",
-           "mxfp4_matmul", "quantize_activations", "round_activations", "rows_matmul", "rows_matmul_reference"]
+           "mxfp4_kernel_runs_on", "mxfp4_matmul", "quantize_activations", "round_activations", "rows_matmul",
+           "rows_matmul_reference"]
