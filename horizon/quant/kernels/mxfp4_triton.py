@@ -34,7 +34,7 @@ import triton.language as tl
 from horizon.quant.kernels import expert_tiles
 from horizon.quant.mxfp4 import BLOCK, BLOCK_BYTES, E8M0_NAN
 
-BLOCK_M = 16  # rows of x per tile: tl.dot's least; decode rows are 1-4 an expert, so a bigger tile is padding
+BLOCK_M = 16  # rows of x per tile, the fewest tl.dot takes: a decode step gives an expert a few rows, more is padding
 BLOCK_N = 32  # output rows per program
 BLOCK_B = 4  # 32-weight blocks per step along K (128 weights; 64 a tl.dot)
 
