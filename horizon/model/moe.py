@@ -79,12 +79,11 @@ def grouped_experts(x: torch.Tensor, weights: torch.Tensor, idx: torch.Tensor, g
     that is one fused kernel, so a CUDA graph captures the step at any batch (`_grouped_mm_takes`); its
     fallback elsewhere (the CPU, on which the tests check this) loops over the groups on the host. idx may
     hold E (another rank's expert, weight 0): those pairs sort last, outside every group, and give zeros."""
+    from horizon.quant.kernels import sort_by_expert  # here: horizon.quant's modules import this one
+
     N, k = idx.shape
     E = gate_up.shape[0]
-    flat = idx.flatten()
-    order = flat.argsort(stable=True)  # pairs grouped by expert
-    counts = torch.zeros(E + 1, dtype=torch.int32, device=x.device).scatter_add_(
-        0, flat, torch.ones_like(flat, dtype=torch.int32))  # scatter, not bincount: bincount sizes on the host
+    order, counts = sort_by_expert(idx.flatten(), E)  # pairs grouped by expert
     ends = counts[:E].cumsum(0, dtype=torch.int32)
     token = order // k
     gate, up = torch._grouped_mm(x[token], gate_up.transpose(1, 2), offs=ends).chunk(2, dim=-1)

@@ -239,6 +239,14 @@ def mxfp4_expert_matmul_reference(x: torch.Tensor, blocks: torch.Tensor, scales:
     return out
 
 
+def sort_by_expert(key: torch.Tensor, E: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """key int64 [M] in [0, E] (E: a row of no expert here) -> (order: a stable sort of the rows by key,
+    counts int64 [E + 1]), on the device with no host sync (counts by scatter-add: bincount sizes its output on
+    the host). The grouping both `expert_tiles` and horizon.model.moe.grouped_experts start from."""
+    counts = torch.zeros(E + 1, dtype=torch.int64, device=key.device).scatter_add_(0, key, torch.ones_like(key))
+    return key.argsort(stable=True), counts
+
+
 def expert_tiles(expert: torch.Tensor, E: int, block_m: int) -> tuple[torch.Tensor, torch.Tensor]:
     """Rows grouped by expert into tiles of block_m rows, on the device, in shapes fixed by (M, E, block_m),
     so a CUDA graph captures it: grouping.h's counterpart for the Triton kernel (mxfp4_triton.py).
@@ -252,11 +260,10 @@ def expert_tiles(expert: torch.Tensor, E: int, block_m: int) -> tuple[torch.Tens
     T = -(-M // block_m) + min(E, M)
     ids = expert.long()
     key = torch.where((ids >= 0) & (ids < E), ids, E)  # rows of no expert here: bucket E, in no tile
-    counts = torch.zeros(E + 1, dtype=torch.int64, device=dev).scatter_add_(0, key, torch.ones_like(key))
+    order, counts = sort_by_expert(key, E)  # a device sort, not grouping.h's host pass
     tiles = (counts[:E] + block_m - 1) // block_m
     tile_end = tiles.cumsum(0)
     tile_expert = torch.searchsorted(tile_end, torch.arange(T, device=dev), right=True).to(torch.int32)
-    order = key.argsort(stable=True)  # rows grouped by expert (a device sort, not grouping.h's host pass)
     sorted_key = key[order]
     rank = torch.arange(M, device=dev) - (counts.cumsum(0) - counts)[sorted_key]  # place within its expert
     first_slot = torch.cat([(tile_end - tiles) * block_m, tile_end.new_full((1,), T * block_m)])
@@ -432,4 +439,4 @@ def rows_matmul(x: torch.Tensor, w: torch.Tensor, expert: torch.Tensor | None = 
 __all__ = ["FEW_ROWS", "FUSED_ONE_ROW_MAX", "cache_dir", "dequantize_activations", "expert_tiles", "has_avx512",
            "has_vnni", "kernel_available", "kernels_run_on", "mxfp4_expert_matmul", "mxfp4_expert_matmul_reference",
            "mxfp4_kernel_runs_on", "mxfp4_matmul", "quantize_activations", "round_activations", "rows_matmul",
-           "rows_matmul_reference"]
+           "rows_matmul_reference", "sort_by_expert"]
