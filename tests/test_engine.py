@@ -173,6 +173,15 @@ def test_stops_seeds_and_bad_requests(model):
     sampled = SamplingParams(max_tokens=10, temperature=1.0, top_p=0.9, top_k=50, seed=7, ignore_eos=True)
     a, b = e.generate([Request(p, sampled), Request(prompts(33)[0], GREEDY)])[0], e.generate([Request(p, sampled)])[0]
     assert a.token_ids == b.token_ids  # the seed reproduces, whatever shares the batch
+    # without a seed a request draws from a generator of its own, never torch's global one (which a compile's
+    # trace restores when it ends: two requests sampled meanwhile would repeat each other's draws)
+    unseeded = SamplingParams(max_tokens=10, temperature=1.0, ignore_eos=True)
+    torch.manual_seed(0)
+    state = torch.get_rng_state()
+    c = e.generate([Request(p, unseeded)])[0]
+    assert torch.equal(torch.get_rng_state(), state)
+    torch.manual_seed(0)
+    assert e.generate([Request(p, unseeded)])[0].token_ids != c.token_ids  # 10 draws at temperature 1
     with pytest.raises(ValueError, match="exceeds the context window of 256"):
         e.submit(Request(p, SamplingParams(max_tokens=300)), print)
     with pytest.raises(ValueError, match="top_p"):

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import enum
+import secrets
 import time
 from collections.abc import Callable
 
@@ -33,7 +34,11 @@ class Sequence:
         self.status = Status.WAITING
         self.cached_prompt_tokens = 0
         self.emit = emit
-        self.generator = torch.Generator().manual_seed(self.params.seed) if self.params.seed is not None else None
+        # a generator of its own for every request, an unseeded one seeded from the OS: never torch's global one,
+        # which anything else in the process may draw from or rewind (dynamo restores it when a trace ends, and
+        # the runner's background compile traces while steps sample: draws would repeat across requests)
+        self.generator = torch.Generator().manual_seed(
+            self.params.seed if self.params.seed is not None else secrets.randbits(63))
         self.stop_ids = set() if self.params.ignore_eos else set(stop_ids)
         self.stop_ids |= set(self.params.stop_token_ids)
         # thinking: the prompt of a thinking request ends inside the think block
