@@ -19,6 +19,8 @@ import threading
 
 import h11
 import uvicorn
+from uvicorn.config import LOG_LEVELS
+from uvicorn.logging import DefaultFormatter
 from uvicorn.protocols.http.h11_impl import H11Protocol
 
 from horizon.serving import ModelService
@@ -71,6 +73,17 @@ class DrainingServer(uvicorn.Server):
             # a thread, not here: a signal handler may interrupt the event loop while it holds the engine's lock
             threading.Thread(target=self.service.drain, args=(self.drain_timeout_s,), daemon=True).start()
         super().handle_exit(sig, frame)
+
+
+def log_like_uvicorn(level: str) -> None:
+    """Print Horizon's own log records (`horizon.*`: the engine's compile progress, failed requests) at the
+    server's --log-level and in uvicorn's format; without a handler only warnings reached stderr, unformatted."""
+    logger = logging.getLogger("horizon")
+    if not logger.handlers:
+        handler = logging.StreamHandler()
+        handler.setFormatter(DefaultFormatter("%(levelprefix)s %(message)s"))
+        logger.addHandler(handler)
+    logger.setLevel(LOG_LEVELS.get(level.lower(), logging.INFO))
 
 
 def serve(app, service: ModelService, host: str, port: int, log_level: str = "info", drain_timeout_s: float = 30,
