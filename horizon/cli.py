@@ -254,7 +254,7 @@ def _build_app(model: str | None, served_model_name: str | None = None, api_keys
     bundle, engine = _serve_engine(model, check_weights, formats or {}, layout, max_num_seqs=max_num_seqs,
                                    max_model_len=max_model_len, max_batch_tokens=max_batch_tokens,
                                    coverage_every=coverage_every, prefix_cache_bytes=int(prefix_cache_mb * 1024**2),
-                                   compile=compile)
+                                   compile=compile, compile_in_background=compile)
     shipped = {"bundled:horizon-tiny": "horizon-tiny", "bundled:tiny-random": "horizon-tiny-random"}
     model_id = served_model_name or shipped.get(bundle.source) or os.path.basename(os.path.abspath(model))
     from horizon.chat.images import ImageLimits
@@ -333,11 +333,12 @@ def _api_keys(args: argparse.Namespace) -> dict[str, str]:
 
 def _cmd_serve(args: argparse.Namespace) -> int:
     from horizon.parallel.group import leave_group
-    from horizon.server.process import serve
+    from horizon.server.process import log_like_uvicorn, serve
 
     layout = _parallel(args)
     if isinstance(layout, int):  # this process launched the ranks; they have ended
         return layout
+    log_like_uvicorn(args.log_level)
     if layout is not None and layout.rank != 0:  # a rank that computes: no HTTP, rank 0's steps
         _, engine = _serve_engine(args.model, not args.no_weight_check, _formats(args), layout,
                                   max_num_seqs=args.max_num_seqs, max_model_len=args.max_model_len,
@@ -371,7 +372,25 @@ def _cmd_serve(args: argparse.Namespace) -> int:
     if layout is not None:  # the drain stopped the engine and the other ranks (again here, if it never started)
         app.state.service.engine.stop()
         leave_group()
+    _exit_past_a_compile()
     return 0
+
+
+def _exit_past_a_compile() -> None:
+    """After the drain: a decode graph still compiling in the background (horizon.engine.runner) would hold the
+    exit until it is done, up to a minute on 2 cores; nothing is left to serve, so the process exits now (0)."""
+    import logging
+    import os
+
+    from horizon.engine.runner import compiling_in_background
+
+    if compiling_in_background():
+        logging.getLogger("horizon.server").info("exiting without the decode graph still compiling (inductor's "
+                                                 "cache keeps what is done for the next start)")
+        logging.shutdown()
+        sys.stdout.flush()
+        sys.stderr.flush()
+        os._exit(0)
 
 
 def _cmd_agent(args: argparse.Namespace) -> int:
@@ -915,8 +934,10 @@ def build_parser() -> argparse.ArgumentParser:
                         "system prompt ends), so branches of one history share it (see `horizon plan` for a "
                         "snapshot's size)")
     p.add_argument("--enforce-eager", action="store_true",
-                   help="run every step eagerly: no compiled decode graphs (compiling one takes one to two "
-                        "minutes per batch-size bucket on 2 cores, cached across runs in TORCHINDUCTOR_CACHE_DIR)")
+                   help="run every step eagerly: no compiled decode graphs (without it they compile in the "
+                        "background from startup, a step running eagerly until its graph is ready: on 2 cores "
+                        "about half a minute a graph the first time, a few seconds with the cache in "
+                        "TORCHINDUCTOR_CACHE_DIR)")
     p.add_argument("--coverage-every", type=int, default=64,
                    help="measure the DSA top-k's share of dense attention every N decode steps (0: off)")
     p.add_argument("--allow-local-images", default=None, metavar="DIR",

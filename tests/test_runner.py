@@ -5,6 +5,8 @@ and every check shares their graphs: bucket 1 and bucket 4, each on both sides o
 index_topk (16), plus the engine's own graphs.
 """
 
+import threading
+
 import pytest
 import torch
 
@@ -179,6 +181,66 @@ def test_compiled_engine_generates_what_the_eager_engine_does(engines):
     assert [r.token_ids for r in compiled.generate([Request(p, params) for p in ps])] == want
     assert compiled.generate([Request(ps[1], params)])[0].token_ids == want[1]
     assert compiled.runner.graphs_seen  # the decode steps did run compiled
+
+
+def close(a: torch.Tensor, b: torch.Tensor) -> bool:
+    return (a - b).abs().max().item() <= 1e-5 * max(1.0, b.abs().max().item())
+
+
+def test_graphs_compile_in_the_background_while_steps_run_eagerly(pair, model):
+    """compile_in_background (what horizon serve does): a step whose graph is not ready runs eagerly instead of
+    waiting for a compile; the thread then makes every (bucket, attention) graph, after which decoding across
+    index_topk at both buckets compiles nothing more and matches the eager reference."""
+    runner = ModelRunner(model, HorizonCache(model.config, 4, 128, dtype=torch.float32, block_size=16),
+                         compile=True, buckets=(1, 4))
+    gate, warm = threading.Event(), runner._warm
+    runner._warm = lambda key: (gate.wait(), warm(key))  # the compile held before its first graph
+    assert runner.compile_in_background() and not runner.compile_in_background()  # one thread at a time
+    runners = (runner, pair[1])
+    try:
+        ps = prompts(6)
+        prefill(runners, ps)
+        # eager (the two eager forwards may differ by an ulp: the held thread's OpenMP team shares the cores)
+        assert all(close(a, b) for a, b in decode_both(runners, ps, TOPK))
+        assert runner.graphs_seen == set() and runner.graphs_pending == 4
+    finally:
+        gate.set()
+    assert runner.wait_compiled(timeout=900)
+    assert runner.graphs_seen == {(1, False), (1, True), (4, False), (4, True)} and not runner.graphs_failed
+    assert runner.graphs_pending == 0 and not runner.compile_in_background()  # nothing left to make
+    before = graphs()
+    for lengths in [(6,), (3, 7, 5)]:
+        ps = prompts(*lengths)
+        prefill(runners, ps)
+        assert all(close(a, b) for a, b in decode_both(runners, ps, TOPK + 6 - min(lengths)))
+    assert graphs() == before
+
+
+def test_an_engine_serves_eagerly_while_its_graphs_compile(model, engines):
+    """EngineConfig(compile_in_background=True): the compile starts with the engine, its requests do not wait
+    for it (they run eagerly and generate what the eager engine does), the metrics say how far it is, and stop()
+    ends it."""
+    gate = threading.Event()
+    original = ModelRunner._warm
+    ModelRunner._warm = lambda self, key: gate.wait()  # never compiles here: the test above compiles
+    engine = None
+    try:
+        engine = Engine(model, load_tok(), EngineConfig(max_num_seqs=4, max_batch_tokens=64, max_model_len=256,
+                                                        block_size=16, compile=True, compile_in_background=True))
+        params = SamplingParams(max_tokens=12, temperature=0, ignore_eos=True)
+        ps = prompts(5, 12, 3)
+        want = [r.token_ids for r in engines[1].generate([Request(p, params) for p in ps])]
+        assert [r.token_ids for r in engine.generate([Request(p, params) for p in ps])] == want
+        m = engine.metrics()
+        # buckets 1, 2, 4, each dense and sparse (the window, 256, passes index_topk)
+        assert (m["decode_graphs_compiled"], m["decode_graphs_pending"]) == (0, 6)
+    finally:
+        if engine is not None:
+            engine.stop()
+        gate.set()
+        stopped = engine is None or engine.runner.wait_compiled(timeout=60)
+        ModelRunner._warm = original
+    assert stopped and engine.runner.graphs_pending == 5  # stopped after the one it was on
 
 
 def test_a_runner_makes_room_for_its_graphs_in_dynamos_limit(model):

@@ -12,13 +12,14 @@ import httpx
 from horizon.server.background import free_port
 
 
-def start(tmp_path, *flags: str) -> tuple[subprocess.Popen, str]:
-    """`horizon serve` on the random model at a free port, once /health answers: (process, url)."""
+def start(tmp_path, *flags: str, eager: bool = True) -> tuple[subprocess.Popen, str]:
+    """`horizon serve` on the random model at a free port, once /health answers: (process, url). Eager unless
+    told otherwise: these tests are about the process, not compiling."""
     port = free_port()
     proc = subprocess.Popen([sys.executable, "-m", "horizon.cli", "serve", "--model", "tiny-random", "--port",
                              str(port), "--signature-key-file", str(tmp_path / "key"), "--responses-db",
                              str(tmp_path / "responses.sqlite3"), "--log-level", "warning",
-                             "--enforce-eager", *flags],  # these tests are about the process, not compiling
+                             *(["--enforce-eager"] if eager else []), *flags],
                             stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
     url = f"http://127.0.0.1:{port}"
     for _ in range(600):
@@ -112,6 +113,27 @@ def test_sigterm_drains_and_every_stream_ends_well_formed(tmp_path):
             "error"]["type"] == "overloaded_error")
         responses = [json.loads(x) for x in data("responses")]
         assert responses[-1]["type"] in ("response.completed", "response.failed")
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+
+
+def test_compiling_in_the_background_answers_at_once_and_exits_cleanly(tmp_path):
+    """Without --enforce-eager the decode graphs compile on a thread from startup: the first request is
+    answered without waiting for them (eagerly), the log and /metrics say how far they are, and SIGTERM still
+    exits 0 at once, however far the compile has got (a thread left in torch's C++ code at exit can abort it)."""
+    proc, url = start(tmp_path, "--max-model-len", "512", "--log-level", "info", eager=False)
+    try:
+        body = {"model": "horizon-tiny-random", "max_tokens": 8, "messages": [{"role": "user", "content": "hi"}]}
+        assert httpx.post(url + "/v1/chat/completions", json=body, timeout=60).status_code == 200
+        gauges = {line.split()[0]: float(line.split()[1]) for line in httpx.get(url + "/metrics").text.splitlines()
+                  if line.startswith("horizon_decode_graphs_")}
+        # buckets 1, 2, 4, 8, 16 (16 slots), each dense and sparse (the window, 512, passes index_topk, 16)
+        assert gauges["horizon_decode_graphs_compiled"] + gauges["horizon_decode_graphs_pending"] == 10
+        proc.send_signal(signal.SIGTERM)
+        assert proc.wait(timeout=60) == 0
+        out = proc.stdout.read()
+        assert "compiling 10 decode graphs in the background" in out and "Traceback" not in out
     finally:
         if proc.poll() is None:
             proc.kill()

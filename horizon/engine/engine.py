@@ -60,6 +60,11 @@ class EngineConfig:
     # reference (horizon serve compiles unless --enforce-eager; library users opt in, since a graph
     # takes one to two minutes to compile on 2 cores and freezes the weights it was compiled with)
     compile: bool = False
+    # with compile: every decode graph compiles on a background thread from the engine's construction (stop()
+    # ends it) and a step whose graph is not ready runs eagerly, so no request waits on a compile (horizon
+    # serve; single-process engines on the CPU, see ModelRunner.compile_in_background; elsewhere graphs
+    # compile on first use)
+    compile_in_background: bool = False
     # under a process group of N > 1 ranks: run in lockstep with the other ranks' engines (tensor parallelism;
     # rank 0 drives). False: this rank's engine alone, over a model it holds whole (data parallelism: each
     # FSDP rank rolls out its own RL groups)
@@ -214,6 +219,9 @@ class Engine:
             if broadcast_object(mine) != mine:
                 raise ValueError(f"rank {rank()}'s engine differs from rank 0's (blocks, slots, window, block "
                                  f"size {mine}): every rank must be started with the same settings")
+        # not under tensor parallelism: the compile thread's collectives would interleave with the steps'
+        if config.compile_in_background and self.ranks == 1:
+            self.runner.compile_in_background()
 
     # --- requests ----------------------------------------------------------------------------------
     def submit(self, request: Request, on_event: Callable[[Event], None], max_queued: int | None = None) -> None:
@@ -588,6 +596,8 @@ class Engine:
         if self._thread is not None:
             return
         self._stopping = False
+        if self.config.compile_in_background and self.ranks == 1:
+            self.runner.compile_in_background()  # resumes what a stop() cut short (a no-op while it runs)
         self._thread = threading.Thread(target=self._loop, name="horizon-engine", daemon=True)
         self._thread.start()
 
@@ -596,6 +606,7 @@ class Engine:
         The other ranks of a tensor-parallel group stop with it (their `follow` returns)."""
         self._stopping = True
         self._wake.set()
+        self.runner.stop_compiling()
         if self._thread is not None:
             self._thread.join()
             self._thread = None
@@ -674,4 +685,7 @@ class Engine:
             "ttft_mean_s": sum(s.ttft) / len(s.ttft) if s.ttft else None,
             "thinking_tokens": dict(s.thinking_tokens),
             "indexer_topk_coverage_mean": sum(s.coverage) / len(s.coverage) if s.coverage else None,
+            "decode_graphs_compiled": len(self.runner.graphs_seen),
+            "decode_graphs_pending": self.runner.graphs_pending,
+            "compile_seconds": self.runner.compile_seconds,
         }

@@ -16,14 +16,22 @@ chunks and mixed steps run eagerly: they are compute-bound, and their shapes var
 
 Eager is the reference: `compile=False` (`horizon serve --enforce-eager`) runs every step through
 `model.forward_batch` directly, and the tests check the compiled step against it.
+
+A graph compiles on the first step that needs it, which then waits (tens of seconds on 2 cores), and so
+does every request in that step. `compile_in_background()` (what `horizon serve` does) compiles every
+graph the runner can need on a thread of its own instead, and a step whose graph is not ready yet runs
+eagerly: no request waits on a compile.
 """
 
 from __future__ import annotations
 
+import atexit
 import hashlib
 import inspect
 import logging
 import os
+import sys
+import threading
 import time
 import types
 from dataclasses import dataclass
@@ -40,6 +48,8 @@ from horizon.quant.kernels import FEW_ROWS, FUSED_ONE_ROW_MAX
 log = logging.getLogger(__name__)
 
 DEFAULT_BUCKETS = (1, 2, 4, 8, 16, 32, 64, 128, 256)
+SWITCH_INTERVAL_WHILE_COMPILING = 5e-5  # seconds (sys.setswitchinterval; see ModelRunner._compile_pending)
+
 # On CPU, inductor may rewrite a one-row matmul (a batch-1 decode projection) as a multiply-and-sum it
 # generates itself: that loop streams a [512 -> 1024] fp32 weight at ~25-35 GB/s on 2 cores where the
 # sgemv call reaches ~10 (measured; the batch-1 step of `small` goes from 34 to 18 ms), and it fuses with
@@ -135,6 +145,26 @@ class StepInputs:
         return self.image_mask is None and all(len(t) == 1 for t in self.tokens)
 
 
+# Background compiles still running (their threads and stop events). At exit each stops after its graph and is
+# waited for: a daemon thread still inside torch's C++ code when the interpreter finalises is unwound by
+# pthread_exit through frames that may not throw, and the process aborts ("terminate called without an active
+# exception") instead of exiting.
+_compiles: list[tuple[threading.Thread, threading.Event]] = []
+
+
+@atexit.register
+def _finish_compiles() -> None:
+    for _, stop in _compiles:
+        stop.set()
+    for thread, _ in _compiles:
+        thread.join()
+
+
+def compiling_in_background() -> bool:
+    """Whether a runner's background compile is still running in this process."""
+    return any(thread.is_alive() for thread, _ in _compiles)
+
+
 class ModelRunner:
     def __init__(self, model, cache: HorizonCache, compile: bool = True, buckets: tuple[int, ...] | None = None):
         self.model, self.cache = model, cache
@@ -146,6 +176,11 @@ class ModelRunner:
         self._graph = None
         self.compile_seconds = 0.0  # time spent in steps that compiled a new graph
         self.graphs_seen: set[tuple[int, bool]] = set()  # (bucket, sparse) pairs compiled so far
+        self.graphs_failed: dict[tuple[int, bool], str] = {}  # background compiles that failed: their steps stay eager
+        self._lock = threading.Lock()  # the graph's creation and the counts above (the compile thread's, the steps')
+        self._compiling: threading.Thread | None = None  # compile_in_background's thread
+        self._pending: list[tuple[int, bool]] = []  # the graphs it has still to compile
+        self._stop = threading.Event()
         if compile:
             # build the CPU kernels / import the Triton one now (or learn that they cannot be): the graphs read
             # that, and a kernel that arrives after the first graph would change what it should call, a recompile
@@ -161,7 +196,9 @@ class ModelRunner:
         `options` (per-call attention modes and probes) other than the defaults run eagerly: a graph is
         compiled for the defaults only."""
         if self.compile and step.is_decode and (options is None or options == ForwardOptions()):
-            return self._decode(step)
+            logits = self._decode(step)
+            if logits is not None:
+                return logits
         lens = [len(t) for t in step.tokens]  # eager: forward_batch checks the window and the cache itself
         tokens = torch.tensor([t for run in step.tokens for t in run], device=self.device)
         batch = Batch.build(lens, start=step.starts, slots=step.slots, device=self.device)
@@ -171,8 +208,9 @@ class ModelRunner:
     def bucket(self, batch_size: int) -> int:
         return next(b for b in self.buckets if b >= batch_size)
 
-    def _decode(self, step: StepInputs) -> torch.Tensor:
-        """One compiled decode step; the checks forward_batch makes eagerly happen here on host numbers."""
+    def _decode(self, step: StepInputs) -> torch.Tensor | None:
+        """One compiled decode step; the checks forward_batch makes eagerly happen here on host numbers.
+        None while the step's graph is still to come from the background compile (the step runs eagerly)."""
         B = len(step.tokens)
         max_ctx = max(step.starts) + 1
         if max_ctx > self.model.config.max_position_embeddings:
@@ -186,61 +224,159 @@ class ModelRunner:
             for slot, pos in zip(step.slots, step.starts, strict=True):
                 if int(table[slot, pos // self.cache.block_size]) < 0:
                     raise ValueError(f"no cache block assigned for slot {slot} at position {pos}")
-        pad = self.bucket(B) - B
+        key = (self.bucket(B), self._sparse(max_ctx))
+        if self._compiling is not None and key not in self.graphs_seen:
+            return None
+        pad = key[0] - B
         scratch = self.cache.scratch_slot
         # padding rows: position 0 of the scratch slot (their own block; nothing real reads it)
         tokens = torch.tensor([t[0] for t in step.tokens] + [0] * pad, device=self.device)
         start = torch.tensor(step.starts + [0] * pad, device=self.device)
         slots = torch.tensor(step.slots + [scratch] * pad, device=self.device)
+        return self._call(key, tokens, start, slots, max_ctx)[:B]
+
+    def _call(self, key: tuple[int, bool], tokens: torch.Tensor, start: torch.Tensor, slots: torch.Tensor,
+              max_ctx: int) -> torch.Tensor:
+        """Run the compiled step for `key` (compiling its graph if this is the first call), counting a compile."""
         # the context length travels as a tensor's size, marked dynamic: one graph for every length
         ctx = torch.empty(max_ctx, 0, device=self.device)
         torch._dynamo.maybe_mark_dynamic(ctx, 0)
-        key = (B + pad, self._sparse(max_ctx))
         t0 = time.perf_counter()
         logits = self._compiled()(tokens, start, slots, ctx)
         if key not in self.graphs_seen:
-            self.graphs_seen.add(key)
-            self.compile_seconds += time.perf_counter() - t0
+            seconds = time.perf_counter() - t0
+            with self._lock:
+                self.graphs_seen.add(key)
+                self.compile_seconds += seconds
             log.info("compiled the decode step for batch %d (%s attention) in %.1f s", key[0],
-                     "sparse" if key[1] else "dense", time.perf_counter() - t0)
-        return logits[:B]
+                     "sparse" if key[1] else "dense", seconds)
+        return logits
+
+    # --- compiling ahead of the steps ------------------------------------------------------------
+    def compile_in_background(self) -> bool:
+        """Compile every decode graph this runner can need (each bucket; each also for sparse attention where the
+        cache's window passes index_topk) on a daemon thread, smallest bucket first. Until a step's graph is ready
+        that step runs eagerly, so no request waits on a compile; a graph that fails to compile is logged
+        (`graphs_failed`) and its steps stay eager. Returns whether a thread started: not without `compile`, not
+        while one runs or once every graph is made (after `stop_compiling`, a call resumes with the rest), and
+        not off the CPU (CUDA graphs are recorded per thread: one recorded here would be recorded again by the
+        first step; there the graphs still compile on first use)."""
+        if not self.compile or self.cache.max_len < 2:
+            return False  # (a 1-token window: its graph compiles on first use, see _warm)
+        if self.device.type != "cpu":
+            log.info("decode graphs compile on first use on %s (background compiling is CPU-only)", self.device)
+            return False
+        if self._compiling is not None and (self._compiling.is_alive() or not self._pending):
+            return False
+        if self._compiling is None:
+            sparse_too = self._sparse(self.cache.max_len)
+            # per bucket, the attention the window is mostly spent in first: the bundled model's index_topk
+            # (64) is passed by almost every chat prompt, `small`'s (2,048) by few
+            first_sparse = sparse_too and self.model.config.index_topk < self.cache.max_len / 2
+            order = (True, False) if first_sparse else (False, True) if sparse_too else (False,)
+            keys = [(b, sparse) for b in self.buckets for sparse in order]
+            self._pending = [k for k in keys if k not in self.graphs_seen]
+        self._stop.clear()
+        self._compiling = threading.Thread(target=self._compile_pending, name="horizon-compile", daemon=True)
+        _compiles[:] = [(t, e) for t, e in _compiles if t.is_alive()] + [(self._compiling, self._stop)]
+        log.info("compiling %d decode graphs in the background (buckets %s); until its graph is ready a step runs "
+                 "eagerly", len(self._pending), ", ".join(map(str, self.buckets)))
+        self._compiling.start()
+        return True
+
+    @property
+    def graphs_pending(self) -> int:
+        """Graphs the background compile has still to make (0 without one)."""
+        return len(self._pending)
+
+    def wait_compiled(self, timeout: float | None = None) -> bool:
+        """Wait for the background compile to end; True when it has (or never started)."""
+        if self._compiling is not None:
+            self._compiling.join(timeout)
+        return self._compiling is None or not self._compiling.is_alive()
+
+    def stop_compiling(self) -> None:
+        """Stop the background compile after the graph it is on (it cannot be interrupted mid-graph)."""
+        self._stop.set()
+
+    def _compile_pending(self) -> None:
+        t0 = time.perf_counter()
+        # A compile is mostly Python and holds the GIL; an eager step gives it up in every op it calls and, with
+        # CPython's default 5 ms switch interval, waits up to that long to get it back each time: a 24-token
+        # request of the bundled model took 10-18 s while a graph compiled. At 50 us it took 2-4 s (0.1-0.3 s
+        # with no compile running). Process-wide, so only while this thread runs.
+        interval = sys.getswitchinterval()
+        sys.setswitchinterval(min(interval, SWITCH_INTERVAL_WHILE_COMPILING))
+        try:
+            while self._pending and not self._stop.is_set():
+                key = self._pending[0]
+                try:
+                    self._warm(key)
+                except Exception as e:  # the steps of this graph stay eager; the others may still compile
+                    log.exception("compiling the decode step for batch %d (%s attention) failed; its steps run "
+                                  "eagerly", key[0], "sparse" if key[1] else "dense")
+                    self.graphs_failed[key] = f"{type(e).__name__}: {e}"
+                self._pending.pop(0)
+        finally:
+            sys.setswitchinterval(interval)
+        if not self._pending:
+            log.info("every decode graph is compiled (%d in %.0f s)", len(self.graphs_seen),
+                     time.perf_counter() - t0)
+
+    @torch.inference_mode()  # as run(): the graphs are guarded on it
+    def _warm(self, key: tuple[int, bool]) -> None:
+        """Compile (and run once) the graph for `key` on rows that all live in the cache's scratch slot, as a
+        step's padding rows do: nothing a sequence reads is written."""
+        bucket, sparse = key
+        cfg = self.model.config
+        # a context on the right side of index_topk; not 1, which dynamo would specialise the dynamic size to
+        dense_limit = min(self.cache.max_len, cfg.index_topk) if cfg.index_n_heads else self.cache.max_len
+        max_ctx = cfg.index_topk + 1 if sparse else max(2, dense_limit // 2)
+        # three tensors, as a step passes (the same one twice would compile a graph for aliased inputs)
+        tokens, start = (torch.zeros(bucket, dtype=torch.long, device=self.device) for _ in range(2))
+        slots = torch.full((bucket,), self.cache.scratch_slot, dtype=torch.long, device=self.device)
+        self._call(key, tokens, start, slots, max_ctx)
 
     def _sparse(self, ctx: int) -> bool:
         cfg = self.model.config
         return bool(cfg.index_n_heads) and ctx > cfg.index_topk
 
     def _compiled(self):
-        if self._graph is None:
-            # inductor's caches (generated kernels, autotuning, FX graphs) outlive the process: a restart
-            # recompiles in a fraction of the first compile's time
-            os.environ.setdefault("TORCHINDUCTOR_CACHE_DIR", str(Path.home() / ".cache" / "horizon" / "inductor"))
-            mode = "reduce-overhead" if self.device.type == "cuda" else None
-            options = None
-            if mode is None:
-                from horizon.quant.kernels import kernel_available
-
-                options = cpu_options(kernel_available())
-            # dynamo keeps at most `recompile_limit` graphs per code object (this runner's forward, below,
-            # holds one per bucket, dense and sparse; past the default 8, a ninth graph is a hard failure
-            # under fullgraph: an engine whose buckets run to 256): room for this runner's buckets
-            dynamo_config = torch._dynamo.config
-            dynamo_config.recompile_limit += 2 * len(self.buckets)
-            dynamo_config.accumulated_recompile_limit = max(dynamo_config.accumulated_recompile_limit,
-                                                            2 * dynamo_config.recompile_limit)
-            # Dynamo's guards on the module state (every parameter's and cache tensor's metadata, each
-            # module's identity) cost ~0.8 ms a step, 8% of a batch-1 `small` step, and never fail here:
-            # the runner's model and cache keep their tensors for its lifetime (graphs are built for the
-            # weights as they are; training keeps the eager engine). They are skipped, and what they also
-            # did, keeping apart the graphs of two runners in one process, a forward of this runner's own
-            # does: dynamo caches graphs per code object. The guards on the step's inputs (batch bucket,
-            # context length, dense or sparse) stay. On CPU only: torch.compile takes no options beside
-            # CUDA's mode="reduce-overhead" (untested here: no GPU), so CUDA keeps every guard.
-            step = type("DecodeStep", (DecodeStep,), {"forward": _own_code(DecodeStep.forward)})
-            if mode is None:
-                options = dict(options, guard_filter_fn=torch.compiler.skip_guard_on_all_nn_modules_unsafe)
-            self._graph = torch.compile(step(self.model, self.cache), fullgraph=True, dynamic=False, mode=mode,
-                                        options=options)
+        with self._lock:  # the steps and the background compile may both ask first
+            if self._graph is None:
+                self._graph = self._make_graph()
         return self._graph
+
+    def _make_graph(self):
+        # inductor's caches (generated kernels, autotuning, FX graphs) outlive the process: a restart
+        # recompiles in a fraction of the first compile's time
+        os.environ.setdefault("TORCHINDUCTOR_CACHE_DIR", str(Path.home() / ".cache" / "horizon" / "inductor"))
+        mode = "reduce-overhead" if self.device.type == "cuda" else None
+        options = None
+        if mode is None:
+            from horizon.quant.kernels import kernel_available
+
+            options = cpu_options(kernel_available())
+        # dynamo keeps at most `recompile_limit` graphs per code object (this runner's forward, below,
+        # holds one per bucket, dense and sparse; past the default 8, a ninth graph is a hard failure
+        # under fullgraph: an engine whose buckets run to 256): room for this runner's buckets
+        dynamo_config = torch._dynamo.config
+        dynamo_config.recompile_limit += 2 * len(self.buckets)
+        dynamo_config.accumulated_recompile_limit = max(dynamo_config.accumulated_recompile_limit,
+                                                        2 * dynamo_config.recompile_limit)
+        # Dynamo's guards on the module state (every parameter's and cache tensor's metadata, each
+        # module's identity) cost ~0.8 ms a step, 8% of a batch-1 `small` step, and never fail here:
+        # the runner's model and cache keep their tensors for its lifetime (graphs are built for the
+        # weights as they are; training keeps the eager engine). They are skipped, and what they also
+        # did, keeping apart the graphs of two runners in one process, a forward of this runner's own
+        # does: dynamo caches graphs per code object. The guards on the step's inputs (batch bucket,
+        # context length, dense or sparse) stay. On CPU only: torch.compile takes no options beside
+        # CUDA's mode="reduce-overhead" (untested here: no GPU), so CUDA keeps every guard.
+        step = type("DecodeStep", (DecodeStep,), {"forward": _own_code(DecodeStep.forward)})
+        if mode is None:
+            options = dict(options, guard_filter_fn=torch.compiler.skip_guard_on_all_nn_modules_unsafe)
+        return torch.compile(step(self.model, self.cache), fullgraph=True, dynamic=False, mode=mode,
+                             options=options)
 
 
 def _own_code(fn):

@@ -34,6 +34,11 @@ class EngineCollector:
         yield gauge("tokens_per_second", "generated tokens per second (recent steps)", m["tokens_per_second"])
         yield gauge("indexer_topk_coverage", "sampled share of dense attention mass the DSA top-k keeps",
                     m["indexer_topk_coverage_mean"])
+        yield gauge("decode_graphs_compiled", "compiled decode graphs ready (batch buckets x dense / sparse)",
+                    m["decode_graphs_compiled"])
+        yield gauge("decode_graphs_pending", "decode graphs the background compile has still to make (their steps "
+                    "run eagerly meanwhile)", m["decode_graphs_pending"])
+        yield gauge("compile_seconds", "time spent compiling decode graphs", m["compile_seconds"])
         tiers = GaugeMetricFamily("horizon_thinking_tokens", "thinking tokens generated per tier", labels=["tier"])
         for tier, n in m["thinking_tokens"].items():
             tiers.add_metric([tier], float(n))
