@@ -936,7 +936,7 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--enforce-eager", action="store_true",
                    help="run every step eagerly: no compiled decode graphs (without it they compile in the "
                         "background from startup, a step running eagerly until its graph is ready: on 2 cores "
-                        "about half a minute a graph the first time, a few seconds with the cache in "
+                        "half a minute to two minutes a graph the first time, seconds with the cache in "
                         "TORCHINDUCTOR_CACHE_DIR)")
     p.add_argument("--coverage-every", type=int, default=64,
                    help="measure the DSA top-k's share of dense attention every N decode steps (0: off)")
