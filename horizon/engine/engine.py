@@ -219,8 +219,11 @@ class Engine:
             if broadcast_object(mine) != mine:
                 raise ValueError(f"rank {rank()}'s engine differs from rank 0's (blocks, slots, window, block "
                                  f"size {mine}): every rank must be started with the same settings")
+        self._compile_in_background()
+
+    def _compile_in_background(self) -> None:
         # not under tensor parallelism: the compile thread's collectives would interleave with the steps'
-        if config.compile_in_background and self.ranks == 1:
+        if self.config.compile_in_background and self.ranks == 1:
             self.runner.compile_in_background()
 
     # --- requests ----------------------------------------------------------------------------------
@@ -596,8 +599,7 @@ class Engine:
         if self._thread is not None:
             return
         self._stopping = False
-        if self.config.compile_in_background and self.ranks == 1:
-            self.runner.compile_in_background()  # resumes what a stop() cut short (a no-op while it runs)
+        self._compile_in_background()  # resumes what a stop() cut short (a no-op while it runs)
         self._thread = threading.Thread(target=self._loop, name="horizon-engine", daemon=True)
         self._thread.start()
 

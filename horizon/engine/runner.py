@@ -213,6 +213,9 @@ class ModelRunner:
         None while the step's graph is still to come from the background compile (the step runs eagerly)."""
         B = len(step.tokens)
         max_ctx = max(step.starts) + 1
+        key = (self.bucket(B), self._sparse(max_ctx))
+        if self._compiling is not None and key not in self.graphs_seen:
+            return None  # (forward_batch makes the checks below itself)
         if max_ctx > self.model.config.max_position_embeddings:
             raise ValueError(f"context of {max_ctx} tokens exceeds the model's window "
                              f"max_position_embeddings={self.model.config.max_position_embeddings}")
@@ -224,9 +227,6 @@ class ModelRunner:
             for slot, pos in zip(step.slots, step.starts, strict=True):
                 if int(table[slot, pos // self.cache.block_size]) < 0:
                     raise ValueError(f"no cache block assigned for slot {slot} at position {pos}")
-        key = (self.bucket(B), self._sparse(max_ctx))
-        if self._compiling is not None and key not in self.graphs_seen:
-            return None
         pad = key[0] - B
         scratch = self.cache.scratch_slot
         # padding rows: position 0 of the scratch slot (their own block; nothing real reads it)
@@ -248,8 +248,7 @@ class ModelRunner:
             with self._lock:
                 self.graphs_seen.add(key)
                 self.compile_seconds += seconds
-            log.info("compiled the decode step for batch %d (%s attention) in %.1f s", key[0],
-                     "sparse" if key[1] else "dense", seconds)
+            log.info("compiled the decode step for %s in %.1f s", _graph_name(key), seconds)
         return logits
 
     # --- compiling ahead of the steps ------------------------------------------------------------
@@ -313,8 +312,7 @@ class ModelRunner:
                 try:
                     self._warm(key)
                 except Exception as e:  # the steps of this graph stay eager; the others may still compile
-                    log.exception("compiling the decode step for batch %d (%s attention) failed; its steps run "
-                                  "eagerly", key[0], "sparse" if key[1] else "dense")
+                    log.exception("compiling the decode step for %s failed; its steps run eagerly", _graph_name(key))
                     self.graphs_failed[key] = f"{type(e).__name__}: {e}"
                 self._pending.pop(0)
         finally:
@@ -377,6 +375,10 @@ class ModelRunner:
             options = dict(options, guard_filter_fn=torch.compiler.skip_guard_on_all_nn_modules_unsafe)
         return torch.compile(step(self.model, self.cache), fullgraph=True, dynamic=False, mode=mode,
                              options=options)
+
+
+def _graph_name(key: tuple[int, bool]) -> str:
+    return f"batch {key[0]} ({'sparse' if key[1] else 'dense'} attention)"
 
 
 def _own_code(fn):
