@@ -10,7 +10,9 @@ is padded to the next bucket with rows that live in the cache's scratch slot, as
 captured sizes. Inside a graph nothing is read back to the host: the batch layout is built from
 device tensors (Batch.decode), MoE dispatch is a grouped matmul, the indexer's top-k is the exact
 integer form. The context length is a symbolic size, so a growing context does not recompile;
-crossing the indexer's top-k (dense attention below it, sparse selection above) is a second graph.
+crossing the indexer's top-k (dense attention below it, sparse selection above) is a second graph. On
+CUDA, where a CUDA graph has fixed shapes, the context is padded to a power of two (one recording per
+width), the cache's tensors are static inputs the graphs write in place, and the logits are copied out.
 Validation (capacity, window) happens here, on host numbers, before the graph runs. Prefill
 chunks and mixed steps run eagerly: they are compute-bound, and their shapes vary step to step.
 
@@ -233,7 +235,19 @@ class ModelRunner:
         tokens = torch.tensor([t[0] for t in step.tokens] + [0] * pad, device=self.device)
         start = torch.tensor(step.starts + [0] * pad, device=self.device)
         slots = torch.tensor(step.slots + [scratch] * pad, device=self.device)
-        return self._call(key, tokens, start, slots, max_ctx)[:B]
+        return self._call(key, tokens, start, slots, self._context_bucket(max_ctx))[:B]
+
+    def _context_bucket(self, max_ctx: int) -> int:
+        """The context width the step's graph runs at. On the CPU the step's own: one graph serves every length.
+        On CUDA a graph is recorded per distinct size (CUDA graphs have fixed shapes), so the width is rounded up
+        to a power of two, within the step's attention (dense up to index_topk, sparse past it) and the cache:
+        about log2(max_len) recordings per bucket instead of one per token. Positions past a row's end are masked
+        as in any batch of unequal contexts, so the result is the same up to summation order."""
+        if self.device.type != "cuda":
+            return max_ctx
+        cfg = self.model.config
+        limit = self.cache.max_len if self._sparse(max_ctx) or not cfg.index_n_heads else cfg.index_topk
+        return min(max(2, 1 << (max_ctx - 1).bit_length()), limit, self.cache.max_len)
 
     def _call(self, key: tuple[int, bool], tokens: torch.Tensor, start: torch.Tensor, slots: torch.Tensor,
               max_ctx: int) -> torch.Tensor:
@@ -242,7 +256,13 @@ class ModelRunner:
         ctx = torch.empty(max_ctx, 0, device=self.device)
         torch._dynamo.maybe_mark_dynamic(ctx, 0)
         t0 = time.perf_counter()
-        logits = self._compiled()(tokens, start, slots, ctx)
+        if self.device.type == "cuda":
+            # a new step: the last replay's outputs may be overwritten (cudagraph trees' contract); the logits
+            # are cloned out of the graph's output buffer so a caller may keep them past the next step
+            torch.compiler.cudagraph_mark_step_begin()
+            logits = self._compiled()(tokens, start, slots, ctx).clone()
+        else:
+            logits = self._compiled()(tokens, start, slots, ctx)
         if key not in self.graphs_seen:
             seconds = time.perf_counter() - t0
             with self._lock:
@@ -373,6 +393,14 @@ class ModelRunner:
         step = type("DecodeStep", (DecodeStep,), {"forward": _own_code(DecodeStep.forward)})
         if mode is None:
             options = dict(options, guard_filter_fn=torch.compiler.skip_guard_on_all_nn_modules_unsafe)
+        else:
+            # the cache's tensors keep their storage for the runner's lifetime and the step writes them in place:
+            # static inputs of the CUDA graphs (otherwise each replay copies them in, and their mutation makes
+            # cudagraph trees fall back to running the graph without CUDA graphs)
+            for holder in (self.cache, *self.cache.layers):
+                for t in vars(holder).values():
+                    if isinstance(t, torch.Tensor):
+                        torch._dynamo.mark_static_address(t)
         return torch.compile(step(self.model, self.cache), fullgraph=True, dynamic=False, mode=mode,
                              options=options)
 

@@ -187,8 +187,8 @@ class Experts(nn.Module):
         product-and-sum that indexes the expert's rows directly, which inductor fuses into one loop streaming
         the weights (no host sync, so CUDA graphs can hold it); it reads an expert once per pair, which is
         why it loses once pairs share experts. Past 2E pairs, on CUDA in bf16 (compute capability 9.0+) the
-        grouped matmul (`grouped_experts`), elsewhere the opaque per-expert loop (`routed_experts`), whose host
-        sync a CUDA graph cannot capture.
+        grouped matmul (`grouped_experts`); on the CPU the opaque per-expert loop (`routed_experts`), whose host
+        sync a CUDA graph could not capture, so other CUDA steps keep the per-pair form.
         """
         N, k = idx.shape
         weights, idx = local_assignments(self, weights, idx)
@@ -196,7 +196,8 @@ class Experts(nn.Module):
         if not rows_kernel and N * k > 2 * self.n_experts:  # these take the assignments as they are
             if _grouped_mm_takes(x, self.gate_up_proj):
                 return grouped_experts(x, weights, idx, self.gate_up_proj, self.down_proj)
-            return routed_experts(x, weights, idx, self.gate_up_proj, self.down_proj)
+            if x.device.type != "cuda":  # its host sync: a CUDA graph cannot hold it (there the form below)
+                return routed_experts(x, weights, idx, self.gate_up_proj, self.down_proj)
         flat = idx.flatten().clamp(max=self.n_experts - 1)  # another rank's experts: any row, weight 0
         xs = x.repeat_interleave(k, dim=0)  # row t * k + j: token t for its j-th expert
         if rows_kernel:

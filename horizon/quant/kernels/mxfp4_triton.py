@@ -21,8 +21,9 @@ reference's up to summation order). So an expert's weights are read once per til
 row: at 16 decode sequences of `small` (64 rows over ~41 experts) 1.6x fewer bytes than a program per row,
 at 256 sequences (1,024 rows over 64 experts) 16x fewer.
 
-Checked against the reference under Triton's interpreter (TRITON_INTERPRET=1, CPU tensors) and compiled
-ahead of time for sm_80 and sm_90; not yet run on a GPU (tests/test_mxfp4_triton.py does, where there is one).
+Checked against the reference under Triton's interpreter (TRITON_INTERPRET=1, CPU tensors), compiled ahead
+of time for sm_80 and sm_90, and on an H100 (tests/test_mxfp4_triton.py and tests/test_cuda.py, where there is
+a GPU: parity, and inside the runner's CUDA graphs).
 """
 
 from __future__ import annotations
