@@ -176,14 +176,17 @@ def test_sync_free_equals_the_eager_dispatch(dtype):
     x = torch.randn(13, 64).to(dtype)
     weights, idx = routing(13, 8)
     got = m.sync_free(x, weights, idx)
-    want, counts = m.forward(x, weights, idx)
+    want, counts = Experts.forward(m, x, weights, idx)  # the loop: expert(e, rows) per routed expert
     assert got.dtype == dtype and got.shape == x.shape
     assert counts.tolist() == torch.bincount(idx.flatten(), minlength=8).tolist()
     if dtype == torch.float32:
         assert_matches(got, want)
-    else:  # the eager path rounds to bf16 between the two matmuls, sync_free does not
+    else:  # both round each product to bf16; the loop adds a token's k experts in bf16 one by one
         torch.testing.assert_close(got.float(), want.float(), rtol=2e-2, atol=2e-2 * float(want.abs().max()))
-    # and the kernel's eager path against the dequantising one (the kernel switched off)
+    # where the kernel runs, forward is the grouped form, eager too, and counts the same loads
+    fwd, fwd_counts = m.forward(x, weights, idx)
+    assert torch.equal(fwd, got) and torch.equal(fwd_counts, counts)
+    # and the kernel's loop against the dequantising one (the kernel switched off: forward is the loop)
     kernels_on = kernels._built
     try:
         kernels._built = False
