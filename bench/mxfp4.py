@@ -24,6 +24,17 @@ of the experts a call touches per second against a cold read measured in the sam
     python bench/mxfp4.py [--preset small] [--prompt 64] [--decode-steps 16] [--repeats 5] [--attention]
                           [--threads N]
     python bench/mxfp4.py --kernel [--preset small] [--repeats 5] [--threads N]
+
+--eager-experts measures an eager `MXFP4Experts` call in its two forms on the same quantised model (the
+preset in --dtype, default fp32 here): grouped (`MXFP4Experts.forward`: two fused-kernel calls over every routed
+row, what eager steps run) against the loop over routed experts (`Experts.forward`: a host sync, then a gather
+and two kernel calls per expert; what they ran before), on eager decode steps of 1 and 16 sequences and one
+prefill of --prefill tokens; rounds interleaved (the order alternates), medians; speedup = loop / grouped, and
+the logits' largest difference between the forms relative to their largest magnitude. --device cuda runs it on
+a GPU (the Triton kernel).
+
+    python bench/mxfp4.py --eager-experts [--preset small] [--dtype float32] [--repeats 5] [--threads N]
+                          [--device cpu|cuda]
 """
 
 from __future__ import annotations
@@ -193,10 +204,79 @@ def kernel_bench(cfg: ModelConfig, preset: str, repeats: int, seed: int) -> None
                       "repeats": repeats, "read_GBps": round(read, 2), "results": results}))
 
 
+def sync(device: torch.device) -> None:
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
+
+
+@torch.inference_mode()
+def eager_step_ms(model: HorizonForCausalLM, kind: str, n: int, prompt: int, steps: int,
+                  gen: torch.Generator) -> tuple[float, torch.Tensor]:
+    """(ms, last logits): one eager prefill of n tokens ("prefill"), or the mean of `steps` eager decode steps
+    of n sequences after a `prompt`-token prefill each ("decode", untimed)."""
+    device, V = model.embed.weight.device, model.config.vocab_size
+    if kind == "prefill":
+        cache = model.new_cache(1, n)
+        ids = torch.randint(0, V, (n,), generator=gen).to(device)
+        sync(device)
+        t0 = time.perf_counter()
+        logits = model.forward_batch(ids, Batch.build([n], slots=[0]), cache, last_only=True)
+        sync(device)
+        return 1000 * (time.perf_counter() - t0), logits
+    cache = model.new_cache(n, prompt + steps)
+    ids = torch.randint(0, V, (n * prompt,), generator=gen).to(device)
+    logits = model.forward_batch(ids, Batch.build([prompt] * n, slots=list(range(n))), cache, last_only=True)
+    sync(device)
+    t0 = time.perf_counter()
+    for _ in range(steps):
+        batch = Batch.build([1] * n, start=cache.lens.tolist(), slots=list(range(n)))
+        logits = model.forward_batch(logits.argmax(-1), batch, cache, last_only=True)
+    sync(device)
+    return 1000 * (time.perf_counter() - t0) / steps, logits
+
+
+def eager_experts_bench(args) -> None:
+    device = torch.device(args.device)
+    cfg = ModelConfig.preset(args.preset).replace(dtype=args.dtype)
+    torch.manual_seed(args.seed)
+    model = quantize_model(HorizonForCausalLM(cfg).eval()).to(device)
+    forms = {"loop": Experts.forward, "grouped": MXFP4Experts.forward}
+    shapes = [("decode", 1), ("decode", 16), ("prefill", args.prefill)]
+    times = {(kind, n, form): [] for kind, n in shapes for form in forms}
+    diff = {}
+    try:
+        for r in range(args.repeats + 1):  # round 0 warms up (the kernels build, caches fill)
+            for kind, n in shapes:
+                logits = {}
+                for form in (list(forms) if r % 2 == 0 else list(forms)[::-1]):
+                    MXFP4Experts.forward = forms[form]
+                    gen = torch.Generator().manual_seed(args.seed + r)  # the same tokens for both forms
+                    ms, logits[form] = eager_step_ms(model, kind, n, args.prompt, args.decode_steps, gen)
+                    if r:
+                        times[(kind, n, form)].append(ms)
+                a, b = logits["loop"].float(), logits["grouped"].float()
+                diff[(kind, n)] = max(diff.get((kind, n), 0.0), ((a - b).abs().max() / a.abs().max()).item())
+            if r:
+                print(json.dumps({"round": r, **{f"{k}_{n}_{f}_ms": round(v[-1], 2)
+                                                 for (k, n, f), v in times.items()}}), flush=True)
+    finally:
+        MXFP4Experts.forward = forms["grouped"]
+    rows = {}
+    for kind, n in shapes:
+        loop, grouped = (statistics.median(times[(kind, n, f)]) for f in forms)
+        rows[f"{kind}_{n}"] = {"loop_ms": round(loop, 2), "grouped_ms": round(grouped, 2),
+                               "speedup": round(loop / grouped, 3),
+                               "logits_max_rel_diff": float(f"{diff[(kind, n)]:.3g}")}
+    print(json.dumps({"bench": "mxfp4_eager_experts", "preset": args.preset, "dtype": cfg.dtype,
+                      "device": torch.cuda.get_device_name(device) if device.type == "cuda" else
+                      (platform.processor() or platform.machine()), "threads": torch.get_num_threads(),
+                      "torch": torch.__version__, "repeats": args.repeats, "rows": rows}))
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--preset", default="small")
-    ap.add_argument("--dtype", default="bfloat16")
+    ap.add_argument("--dtype", default=None, help="default bfloat16; float32 with --eager-experts")
     ap.add_argument("--prompt", type=int, default=64, help="prompt length before decoding")
     ap.add_argument("--decode-steps", type=int, default=16)
     ap.add_argument("--repeats", type=int, default=5, help="interleaved rounds of bf16 / MXFP4 decoding")
@@ -204,14 +284,22 @@ def main() -> None:
     ap.add_argument("--threads", type=int, default=None, help="torch threads (default: torch's choice)")
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--kernel", action="store_true", help="time the fused kernel alone, fp32 vs int8 activations")
+    ap.add_argument("--eager-experts", action="store_true", help="eager MXFP4Experts calls: grouped vs the loop")
+    ap.add_argument("--prefill", type=int, default=512, help="--eager-experts: prefill tokens")
+    ap.add_argument("--device", default="cpu", help="--eager-experts: cpu or cuda")
     args = ap.parse_args()
     if args.threads:
         torch.set_num_threads(args.threads)
+    if args.eager_experts:
+        # fp32: the CPU's fast path (bf16 compute is slow here); --dtype bfloat16 on a GPU
+        args.dtype = args.dtype or "float32"
+        eager_experts_bench(args)
+        return
     if args.kernel:
         kernel_bench(ModelConfig.preset(args.preset), args.preset, args.repeats, args.seed)
         return
 
-    cfg = ModelConfig.preset(args.preset).replace(dtype=args.dtype)
+    cfg = ModelConfig.preset(args.preset).replace(dtype=args.dtype or "bfloat16")
     torch.manual_seed(args.seed)
     t0 = time.perf_counter()
     full = HorizonForCausalLM(cfg).eval()

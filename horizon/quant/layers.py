@@ -111,11 +111,11 @@ class MXFP4Experts(nn.Module):
         """Experts.forward's contract. Where the fused kernel runs (the CPU kernel; Triton on CUDA) an eager call
         is `sync_free` too: one kernel call per product over every routed row, which the kernel groups by expert
         itself, instead of Experts' loop (a host sync, then a gather and two kernel calls per routed expert).
-        Eager steps of `small` with MXFP4 experts (fp32, 2 CPU threads, two interleaved runs): 29.0 -> 25.0 and
-        22.1 -> 19.2 ms at 1 sequence, 70.5 -> 49.2 and 69.9 -> 49.4 ms at 16, a 512-token prefill no slower
-        (821 / 830, 951 / 882 ms); on CUDA the loop launched a grouping and two kernels per routed expert (an
-        eager 16-sequence step took 639 ms on an H100). Elsewhere Experts' loop, with expert(e, x) dequantising
-        (the reference); experts nobody routes to are never read either way."""
+        `python bench/mxfp4.py --eager-experts` (`small`, fp32, 2 CPU threads): eager decode steps 1.14x faster
+        at 1 sequence (21.0 -> 18.5 ms), 1.34x at 16 (71.7 -> 53.7 ms), a 512-token prefill the same (820 ms);
+        on CUDA the loop launched a grouping and two kernels per routed expert (an eager 16-sequence step took
+        639 ms on an H100). Elsewhere Experts' loop, with expert(e, x) dequantising (the reference); experts
+        nobody routes to are never read either way."""
         if torch.compiler.is_compiling() or not mxfp4_kernel_runs_on(x.device):
             return Experts.forward(self, x, weights, idx)
         n = self.n_experts if self.expert_range is None else self.expert_range[1]  # every expert, all ranks'
