@@ -128,7 +128,8 @@ class MXFP4Experts(nn.Module):
         routed expert is decoded once): the form torch.compile traces without a graph break. The kernel
         takes fp32 rows (bf16 converts exactly) and each product is rounded to x's dtype, as `expert` and a
         dense model in that dtype round (a bf16 model's MXFP4 experts equal its dense experts with the
-        weights rounded to MXFP4). No token counts: `forward` adds them.
+        weights rounded to MXFP4, up to the order of the sum over a token's k experts). No token counts:
+        `forward` adds them.
         """
         n, k = idx.shape
         weights, idx = local_assignments(self, weights, idx)
