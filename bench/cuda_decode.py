@@ -57,7 +57,9 @@ def main(argv=None) -> None:
         cfg = cfg.replace(num_layers=args.layers, layer_types=None)
     torch.manual_seed(args.seed)
     base = HorizonForCausalLM(cfg).eval()
-    models = {"bf16": base, "mxfp4": quantize_model(copy.deepcopy(base)) if "mxfp4" in args.formats else None}
+    models = {"bf16": base}
+    if "mxfp4" in args.formats:
+        models["mxfp4"] = quantize_model(copy.deepcopy(base))  # on the CPU, before .cuda() moves base
     models = {f: models[f].cuda() for f in args.formats}
     tok = load_tokenizer()
     prompts = random_tokens(tok, cfg.vocab_size, (max(args.batches), args.prompt), torch.Generator().manual_seed(0))

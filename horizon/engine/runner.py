@@ -235,7 +235,9 @@ class ModelRunner:
         tokens = torch.tensor([t[0] for t in step.tokens] + [0] * pad, device=self.device)
         start = torch.tensor(step.starts + [0] * pad, device=self.device)
         slots = torch.tensor(step.slots + [scratch] * pad, device=self.device)
-        return self._call(key, tokens, start, slots, self._context_bucket(max_ctx))[:B]
+        logits = self._call(key, tokens, start, slots, self._context_bucket(max_ctx))[:B]
+        # on CUDA the rows live in the CUDA graph's output buffer, which the next replay overwrites
+        return logits.clone() if self.device.type == "cuda" else logits
 
     def _context_bucket(self, max_ctx: int) -> int:
         """The context width the step's graph runs at. On the CPU the step's own: one graph serves every length.
@@ -245,9 +247,8 @@ class ModelRunner:
         as in any batch of unequal contexts, so the result is the same up to summation order."""
         if self.device.type != "cuda":
             return max_ctx
-        cfg = self.model.config
-        limit = self.cache.max_len if self._sparse(max_ctx) or not cfg.index_n_heads else cfg.index_topk
-        return min(max(2, 1 << (max_ctx - 1).bit_length()), limit, self.cache.max_len)
+        limit = self.cache.max_len if self._sparse(max_ctx) else self._dense_limit()
+        return min(max(2, 1 << (max_ctx - 1).bit_length()), limit)
 
     def _call(self, key: tuple[int, bool], tokens: torch.Tensor, start: torch.Tensor, slots: torch.Tensor,
               max_ctx: int) -> torch.Tensor:
@@ -257,12 +258,8 @@ class ModelRunner:
         torch._dynamo.maybe_mark_dynamic(ctx, 0)
         t0 = time.perf_counter()
         if self.device.type == "cuda":
-            # a new step: the last replay's outputs may be overwritten (cudagraph trees' contract); the logits
-            # are cloned out of the graph's output buffer so a caller may keep them past the next step
-            torch.compiler.cudagraph_mark_step_begin()
-            logits = self._compiled()(tokens, start, slots, ctx).clone()
-        else:
-            logits = self._compiled()(tokens, start, slots, ctx)
+            torch.compiler.cudagraph_mark_step_begin()  # a new step: the last replay's outputs may be overwritten
+        logits = self._compiled()(tokens, start, slots, ctx)
         if key not in self.graphs_seen:
             seconds = time.perf_counter() - t0
             with self._lock:
@@ -348,12 +345,16 @@ class ModelRunner:
         bucket, sparse = key
         cfg = self.model.config
         # a context on the right side of index_topk; not 1, which dynamo would specialise the dynamic size to
-        dense_limit = min(self.cache.max_len, cfg.index_topk) if cfg.index_n_heads else self.cache.max_len
-        max_ctx = cfg.index_topk + 1 if sparse else max(2, dense_limit // 2)
+        max_ctx = cfg.index_topk + 1 if sparse else max(2, self._dense_limit() // 2)
         # three tensors, as a step passes (the same one twice would compile a graph for aliased inputs)
         tokens, start = (torch.zeros(bucket, dtype=torch.long, device=self.device) for _ in range(2))
         slots = torch.full((bucket,), self.cache.scratch_slot, dtype=torch.long, device=self.device)
         self._call(key, tokens, start, slots, max_ctx)
+
+    def _dense_limit(self) -> int:
+        """The longest context a step attends to densely (up to index_topk, within the cache)."""
+        cfg = self.model.config
+        return min(self.cache.max_len, cfg.index_topk) if cfg.index_n_heads else self.cache.max_len
 
     def _sparse(self, ctx: int) -> bool:
         cfg = self.model.config

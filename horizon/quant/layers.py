@@ -118,8 +118,10 @@ class MXFP4Experts(nn.Module):
         nobody routes to are never read either way."""
         if torch.compiler.is_compiling() or not mxfp4_kernel_runs_on(x.device):
             return Experts.forward(self, x, weights, idx)
+        if not self.training:  # the loads are counted in training only (MoE.load); bincount syncs on CUDA
+            return self.sync_free(x, weights, idx), None
         n = self.n_experts if self.expert_range is None else self.expert_range[1]  # every expert, all ranks'
-        return self.sync_free(x, weights, idx), torch.bincount(idx.flatten(), minlength=n)  # the loads
+        return self.sync_free(x, weights, idx), torch.bincount(idx.flatten(), minlength=n)
 
     def sync_free(self, x: torch.Tensor, weights: torch.Tensor, idx: torch.Tensor) -> torch.Tensor:
         """x [N, d], weights / idx [N, k] -> sum_k weight * expert(x) [N, d] in x's dtype, with no host sync.
