@@ -5,6 +5,9 @@ and every check shares their graphs: bucket 1 and bucket 4, each on both sides o
 index_topk (16), plus the engine's own graphs.
 """
 
+import os
+import subprocess
+import sys
 import threading
 
 import pytest
@@ -241,6 +244,24 @@ def test_an_engine_serves_eagerly_while_its_graphs_compile(model, engines):
         stopped = engine is None or engine.runner.wait_compiled(timeout=60)
         ModelRunner._warm = original
     assert stopped and engine.runner.graphs_pending == 5  # stopped after the one it was on
+
+
+@pytest.mark.parametrize("preset", [None, "elsewhere"])
+def test_compiled_graphs_are_cached_where_the_docs_say(tmp_path, preset):
+    """inductor's caches go to ~/.cache/horizon/inductor unless TORCHINDUCTOR_CACHE_DIR says otherwise, with
+    torch._dynamo imported (it writes torch's /tmp default into that variable on import) and the runner's
+    kernels loaded, as `horizon serve` loads them. A fresh interpreter, so the import order is the real one."""
+    env = {k: v for k, v in os.environ.items() if k != "TORCHINDUCTOR_CACHE_DIR"}
+    env["HOME"] = str(tmp_path)
+    if preset:
+        env["TORCHINDUCTOR_CACHE_DIR"] = str(tmp_path / preset)
+    code = ("import horizon.engine.runner, torch._dynamo\n"
+            "from torch._inductor.runtime.cache_dir_utils import cache_dir\n"
+            "print(cache_dir())")
+    out = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True, timeout=300)
+    assert out.returncode == 0, out.stderr
+    want = tmp_path / preset if preset else tmp_path / ".cache" / "horizon" / "inductor"
+    assert out.stdout.strip() == str(want)
 
 
 def test_a_runner_makes_room_for_its_graphs_in_dynamos_limit(model):

@@ -31,13 +31,11 @@ import atexit
 import hashlib
 import inspect
 import logging
-import os
 import sys
 import threading
 import time
 import types
 from dataclasses import dataclass
-from pathlib import Path
 
 import torch
 from torch._guards import detect_fake_mode
@@ -367,9 +365,6 @@ class ModelRunner:
         return self._graph
 
     def _make_graph(self):
-        # inductor's caches (generated kernels, autotuning, FX graphs) outlive the process: a restart
-        # recompiles in a fraction of the first compile's time
-        os.environ.setdefault("TORCHINDUCTOR_CACHE_DIR", str(Path.home() / ".cache" / "horizon" / "inductor"))
         mode = "reduce-overhead" if self.device.type == "cuda" else None
         options = None
         if mode is None:
