@@ -137,6 +137,38 @@ def test_kda_decode_state_is_constant_size(model):
     assert batch.max_len == 5
 
 
+def test_decode_layouts_change_strides_only(tmp_path):
+    """use_decode_layouts (the runner calls it before compiling) stores the conv weights tap-major: the same
+    values, shapes and names, so eager steps, state dicts and checkpoints are unchanged; a second call keeps
+    the storage (a compiled graph reads the tensors it was compiled against)."""
+    import horizon
+
+    model = tiny_model()
+    before = {k: v.clone() for k, v in model.state_dict().items()}
+    cache = model.new_cache(1, 64)
+    tokens = torch.randint(40, 4000, (9,), generator=torch.Generator().manual_seed(0))
+
+    def prefill_and_step():
+        cache.reset()
+        model.forward_batch(tokens[:8], Batch.build([8], slots=[0]), cache, last_only=True)
+        return model.forward_batch(tokens[8:], Batch.build([1], start=[8], slots=[0]), cache, last_only=True)
+
+    with torch.inference_mode():
+        ref = prefill_and_step()
+        model.use_decode_layouts()
+        convs = [layer.attn.conv_weight for layer in model.layers if hasattr(layer.attn, "conv_weight")]
+        assert convs and all(w.t().is_contiguous() and not w.is_contiguous() for w in convs)
+        ptrs = [w.data_ptr() for w in convs]
+        model.use_decode_layouts()
+        assert [w.data_ptr() for w in convs] == ptrs
+        assert torch.equal(prefill_and_step(), ref)
+    after = model.state_dict()
+    assert list(after) == list(before) and all(torch.equal(after[k], before[k]) for k in before)
+    horizon.save(model, tmp_path / "ckpt")
+    loaded = horizon.load(tmp_path / "ckpt").state_dict()
+    assert all(torch.equal(loaded[k], before[k]) for k in before)
+
+
 needs_kernels = pytest.mark.skipif(not kernel_available(), reason="the CPU kernels did not build")
 
 

@@ -187,6 +187,7 @@ class ModelRunner:
             from horizon.quant.kernels import mxfp4_kernel_runs_on
 
             mxfp4_kernel_runs_on(self.device)
+            model.use_decode_layouts()
 
     # --- the step -------------------------------------------------------------------------------
     @torch.inference_mode()

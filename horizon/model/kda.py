@@ -196,6 +196,15 @@ class KimiDeltaAttention(nn.Module):
         self.o_norm_weight = nn.Parameter(torch.ones(dk))
         self.o_proj = nn.Linear(P, d, bias=False)
 
+    def use_decode_layout(self) -> None:
+        """Keep conv_weight tap-major in memory: the same [C, kernel] tensor, stored as [kernel, C]. A decode
+        step's convolution (short_conv) then reads each tap as a contiguous row, which inductor vectorises;
+        over the [C, kernel] layout it reads taps at stride `kernel` and emits a scalar loop, its silu's exp
+        included (at 16 sequences of `small`, 120-140 us against ~30 a KDA layer, the kernel alone)."""
+        w = self.conv_weight
+        if not w.t().is_contiguous():
+            w.data = w.data.t().contiguous().t()
+
     def decay(self, x: torch.Tensor) -> torch.Tensor:
         """log alpha [N, H, d_k] in fp32."""
         raw = self.f_b_proj(self.f_a_proj(x)).float() + self.dt_bias.float()

@@ -137,6 +137,14 @@ class HorizonForCausalLM(nn.Module):
             if isinstance(module, MoE):
                 module.load.zero_()
 
+    def use_decode_layouts(self) -> None:
+        """Re-lay weights where a compiled decode step reads them faster: same values, shapes and names, other
+        strides (so checkpoints, state dicts and eager forwards are unchanged). Before compiling: a graph reads
+        its weights at the strides it was compiled for."""
+        for module in self.modules():
+            if isinstance(module, KimiDeltaAttention):
+                module.use_decode_layout()
+
     # --- caches --------------------------------------------------------------------------------
     def new_cache(self, num_slots: int, max_len: int) -> HorizonCache:
         """An empty decode cache for `num_slots` sequences of up to `max_len` tokens."""
