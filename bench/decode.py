@@ -9,7 +9,8 @@ cache. Decode speed excludes prefill: tokens after each sequence's first one, di
 moment every sequence has its first token to the last token. Rounds cycle through the models, so every
 model sees the same machine load (the machine is shared and noisy: repeated, medians reported). Keys
 `ratio_vs_<family>_batch<B>` compare our fp32 engine with theirs (fp32), `..._bf16` our bf16 engine;
-`paired_ratios_...` the same per round. The weight-streaming floor (active weight bytes / measured
+`paired_ratios_...` the same per round (and `paired_aggregate_...`, each round's largest batch against its
+batch 1). The weight-streaming floor (active weight bytes / measured
 matrix-vector bandwidth) puts batch-1 numbers in perspective.
 
     python bench/decode.py                    # the small preset, 2 threads
@@ -183,6 +184,11 @@ def section(args, cfg: ModelConfig, ours: dict, tok, hf: dict, quiet: Quiet) -> 
         if b1 != bmax:
             ratios[f"aggregate_batch{bmax}_vs_batch{b1}_{name}"] = (table[name][bmax]["tok_per_s"]
                                                                    / table[name][b1]["tok_per_s"])
+            # per round (its batch-1 and batch-16 runs a few seconds apart): batch 1 is memory-bound and the
+            # host's bandwidth drifts, so a ratio of medians taken over different minutes moves with it
+            ratios[f"paired_aggregate_batch{bmax}_vs_batch{b1}_{name}"] = [
+                round(hi["tok_per_s"] / lo["tok_per_s"], 3)
+                for lo, hi in zip(runs[name][int(b1)], runs[name][int(bmax)], strict=True)]
     if "ours_bf16" in ours:
         for name in ours:
             if name not in ("ours_bf16", "ours_fp32"):
