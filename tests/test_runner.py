@@ -248,9 +248,9 @@ def test_an_engine_serves_eagerly_while_its_graphs_compile(model, engines):
 
 @pytest.mark.parametrize("preset", [None, "elsewhere"])
 def test_compiled_graphs_are_cached_where_the_docs_say(tmp_path, preset):
-    """inductor's caches go to ~/.cache/horizon/inductor unless TORCHINDUCTOR_CACHE_DIR says otherwise, with
-    torch._dynamo imported (it writes torch's /tmp default into that variable on import) and the runner's
-    kernels loaded, as `horizon serve` loads them. A fresh interpreter, so the import order is the real one."""
+    """inductor's caches go to ~/.cache/horizon/inductor unless TORCHINDUCTOR_CACHE_DIR says otherwise, after the
+    runner's imports and torch._dynamo's (which writes torch's /tmp default into that variable when first
+    imported). A fresh interpreter, so the import order is the real one."""
     env = {k: v for k, v in os.environ.items() if k != "TORCHINDUCTOR_CACHE_DIR"}
     env["HOME"] = str(tmp_path)
     if preset:
