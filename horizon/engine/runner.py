@@ -234,11 +234,11 @@ class ModelRunner:
         tokens = torch.tensor([t[0] for t in step.tokens] + [0] * pad, device=self.device)
         start = torch.tensor(step.starts + [0] * pad, device=self.device)
         slots = torch.tensor(step.slots + [scratch] * pad, device=self.device)
-        logits = self._call(key, tokens, start, slots, self._context_bucket(max_ctx))[:B]
+        logits = self._call(key, tokens, start, slots, self._context_bucket(max_ctx, key[1]))[:B]
         # on CUDA the rows live in the CUDA graph's output buffer, which the next replay overwrites
         return logits.clone() if self.device.type == "cuda" else logits
 
-    def _context_bucket(self, max_ctx: int) -> int:
+    def _context_bucket(self, max_ctx: int, sparse: bool) -> int:
         """The context width the step's graph runs at. On the CPU the step's own: one graph serves every length.
         On CUDA a graph is recorded per distinct size (CUDA graphs have fixed shapes), so the width is rounded up
         to a power of two, within the step's attention (dense up to index_topk, sparse past it) and the cache:
@@ -246,7 +246,7 @@ class ModelRunner:
         as in any batch of unequal contexts, so the result is the same up to summation order."""
         if self.device.type != "cuda":
             return max_ctx
-        limit = self.cache.max_len if self._sparse(max_ctx) else self._dense_limit()
+        limit = self.cache.max_len if sparse else self._dense_limit()
         return min(max(2, 1 << (max_ctx - 1).bit_length()), limit)
 
     def _call(self, key: tuple[int, bool], tokens: torch.Tensor, start: torch.Tensor, slots: torch.Tensor,

@@ -71,6 +71,12 @@ def local_assignments(experts: nn.Module, weights: torch.Tensor, idx: torch.Tens
     return weights * mine, torch.where(mine, local, experts.n_experts)
 
 
+def expert_loads(experts: nn.Module, idx: torch.Tensor) -> torch.Tensor:
+    """Tokens per expert [E] for the router's choices idx, over every expert (all ranks' under expert parallelism)."""
+    total = experts.n_experts if experts.expert_range is None else experts.expert_range[1]
+    return torch.bincount(idx.flatten(), minlength=total)
+
+
 def grouped_experts(x: torch.Tensor, weights: torch.Tensor, idx: torch.Tensor, gate_up: torch.Tensor,
                     down: torch.Tensor) -> torch.Tensor:
     """`dispatch` over stacked experts (gate_up [E, 2f, d], down [E, d, f]) with nothing read back to the host:
@@ -174,7 +180,7 @@ class Experts(nn.Module):
         if self.expert_range is None:
             return dispatch(x, weights, idx, self.n_experts, self.expert)
         y, _ = dispatch(x, *local_assignments(self, weights, idx), self.n_experts, self.expert)
-        return y, torch.bincount(idx.flatten(), minlength=self.expert_range[1])  # loads of every expert
+        return y, expert_loads(self, idx)
 
     def sync_free(self, x: torch.Tensor, weights: torch.Tensor, idx: torch.Tensor) -> torch.Tensor:
         """forward's sum with nothing read back to the host (for compiled graphs).

@@ -26,7 +26,7 @@ from torch import nn
 
 from horizon.model.dsa import GatedDSA
 from horizon.model.kda import KimiDeltaAttention
-from horizon.model.moe import Experts, local_assignments
+from horizon.model.moe import Experts, expert_loads, local_assignments
 from horizon.quant.kernels import mxfp4_kernel_runs_on, mxfp4_matmul, round_activations
 from horizon.quant.mxfp4 import BLOCK, BLOCK_BYTES, dequantize, quantize
 
@@ -120,8 +120,7 @@ class MXFP4Experts(nn.Module):
             return Experts.forward(self, x, weights, idx)
         if not self.training:  # the loads are counted in training only (MoE.load); bincount syncs on CUDA
             return self.sync_free(x, weights, idx), None
-        n = self.n_experts if self.expert_range is None else self.expert_range[1]  # every expert, all ranks'
-        return self.sync_free(x, weights, idx), torch.bincount(idx.flatten(), minlength=n)
+        return self.sync_free(x, weights, idx), expert_loads(self, idx)
 
     def sync_free(self, x: torch.Tensor, weights: torch.Tensor, idx: torch.Tensor) -> torch.Tensor:
         """x [N, d], weights / idx [N, k] -> sum_k weight * expert(x) [N, d] in x's dtype, with no host sync.
