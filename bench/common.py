@@ -25,10 +25,11 @@ from pathlib import Path
 
 import torch
 
+import horizon.model.dsa as dsa
 from horizon import ModelConfig
 from horizon.chat import load_tokenizer
 from horizon.engine import Engine, FinishEvent, Request, SamplingParams, TokenEvent
-from horizon.model import HorizonForCausalLM
+from horizon.model import HorizonCache, HorizonForCausalLM
 from horizon.model.dsa import GatedDSA
 
 GOAL_BATCH1 = 4.0  # the issue's target: ours / transformers decode tokens/s at batch 1
@@ -450,6 +451,57 @@ def finish_args(args):
             if hasattr(args, dest):
                 setattr(args, dest, value)
     return args
+
+
+# --- kernel timing ---------------------------------------------------------------------------------
+def timed(fn, calls: int) -> float:
+    """Microseconds per call (after two warm-up calls)."""
+    fn(), fn()
+    t0 = time.perf_counter()
+    for _ in range(calls):
+        fn()
+    return (time.perf_counter() - t0) / calls * 1e6
+
+
+def read_bandwidth(calls: int) -> float:
+    """GB/s of a cold fp32 reduction: what streaming weights (or cached rows) from memory can reach here."""
+    copies = [torch.randn(16 << 20) for _ in range(4)]  # 4 x 64 MB
+    i = [0]
+
+    def run():
+        i[0] = (i[0] + 1) % len(copies)
+        return copies[i[0]].sum()
+
+    return copies[0].numel() * 4 / timed(run, calls) / 1e3
+
+
+# --- decode over the paged cache ------------------------------------------------------------------
+def fill_synthetic(cache: HorizonCache, length: int, gen: torch.Generator, slot: int = 0) -> None:
+    """`slot` holds `length` tokens of random rows (a static cache: a slot's positions are consecutive rows)."""
+    first = slot * cache.max_blocks * cache.block_size
+    for layer in cache.latent_layers():
+        for t in (layer.latent, layer.index):
+            if t is not None:
+                for s in range(0, length, 1 << 16):  # in slices: no full-length fp32 temporary beside the pool
+                    n = min(1 << 16, length - s)
+                    t[first + s: first + s + n] = torch.randn(n, t.shape[1], generator=gen, dtype=t.dtype)
+    for layer in cache.kda_layers():
+        layer.state[slot] = torch.randn(layer.state.shape[1:], generator=gen) * 0.1
+    cache.lens[slot] = length
+
+
+@contextlib.contextmanager
+def gathered_rows():
+    """Decode steps gather the DSA layers' cached rows before using them (the references: the indexer's keys,
+    then the latent rows attention reads) instead of reading them in place (the kernels): the same-run
+    baseline. The switch is the one the DSA layer consults when it runs (`dsa._kernel_takes`), so it holds for
+    compiled graphs too (dynamo guards on it: each setting has its own graph)."""
+    saved = dsa._kernel_takes
+    dsa._kernel_takes = lambda pool: False
+    try:
+        yield
+    finally:
+        dsa._kernel_takes = saved
 
 
 # --- a run -------------------------------------------------------------------------------------------

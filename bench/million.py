@@ -11,9 +11,10 @@ Measures, in one process, through horizon.engine.runner.ModelRunner (eager, and 
   the longest prefill the cache is the real prefill's; past it (1M) the latent and indexer rows are
   written directly (random rows of the right scale: a decode step's cost does not depend on their
   values), since the real 1M prefill does not fit a benchmark run on 2 cores (see the prediction);
-- the same decode steps with the indexer's keys gathered into a new tensor and then scored (the PyTorch
-  reference, `*_gathered_ms`): the baseline, in the same run, for the kernel that scores them in place
-  from the paged pool (horizon/quant/kernels/indexer.cpp), which decode uses;
+- the same decode steps with the DSA layers' cached rows gathered into new tensors first (the PyTorch
+  references, `*_gathered_ms`: the indexer's keys, then the selected latent rows): the baseline, in the same
+  run, for the kernels that read them in place from the paged pool (horizon/quant/kernels/indexer.cpp and
+  attention.cpp), which decode uses;
 - the cache's bytes at 1M: DSA rows per token times tokens, plus the constant KDA state.
 
     python bench/million.py                    # ~10 minutes on 2 cores
@@ -33,11 +34,10 @@ import json
 import resource
 import statistics
 import time
-from contextlib import contextmanager
 
 import torch
+from common import fill_synthetic, gathered_rows
 
-import horizon.model.dsa as dsa
 from horizon import ModelConfig
 from horizon.checkpoint import open_model
 from horizon.engine.runner import ModelRunner, StepInputs
@@ -60,20 +60,6 @@ def prefill(runner: ModelRunner, tokens: list[int], chunk: int, slot: int = 0) -
     for s in range(0, len(tokens), chunk):
         runner.run(StepInputs([tokens[s: s + chunk]], [s], [slot]))
     return time.perf_counter() - t0
-
-
-def fill_synthetic(cache: HorizonCache, length: int, gen: torch.Generator, slot: int = 0) -> None:
-    """`slot` holds `length` tokens of random rows (a static cache: a slot's positions are consecutive rows)."""
-    first = slot * cache.max_blocks * cache.block_size
-    for layer in cache.latent_layers():
-        for t in (layer.latent, layer.index):
-            if t is not None:
-                for s in range(0, length, 1 << 16):  # in slices: no full-length fp32 temporary beside the pool
-                    n = min(1 << 16, length - s)
-                    t[first + s: first + s + n] = torch.randn(n, t.shape[1], generator=gen, dtype=t.dtype)
-    for layer in cache.kda_layers():
-        layer.state[slot] = torch.randn(layer.state.shape[1:], generator=gen) * 0.1
-    cache.lens[slot] = length
 
 
 def step_times(runner: ModelRunner, length: int, steps: int, slot: int = 0) -> list[float]:
@@ -102,30 +88,17 @@ def interleaved_ms(runner: ModelRunner, short: int, long: int, steps: int, round
 
 def paired_decode_ms(runner: ModelRunner, length: int, steps: int, rounds: int = 4,
                      slot: int = 0) -> tuple[float, float]:
-    """(ms/token scoring the indexer keys in place, ms/token gathering them), interleaved in `rounds` rounds
+    """(ms/token reading the cached rows in place, ms/token gathering them), interleaved in `rounds` rounds
     (this machine's speed drifts between runs: interleaving keeps the two comparable); medians."""
     step_times(runner, length, 2, slot)  # warm (and, compiled, the first graph of each kind)
-    with gathered_indexer():
+    with gathered_rows():
         step_times(runner, length, 2, slot)
     kernel, gathered = [], []
     for _ in range(rounds):
         kernel += step_times(runner, length, max(2, steps // rounds), slot)
-        with gathered_indexer():
+        with gathered_rows():
             gathered += step_times(runner, length, max(2, steps // rounds), slot)
     return 1000 * statistics.median(kernel), 1000 * statistics.median(gathered)
-
-
-@contextmanager
-def gathered_indexer():
-    """Decode steps score the indexer's keys through the reference path (gather, then matmul) instead of the
-    in-place kernel: the same-run baseline. The switch is the one the op itself consults at run time, so it
-    holds for compiled graphs too."""
-    saved = dsa._kernel_takes
-    dsa._kernel_takes = lambda pool: False
-    try:
-        yield
-    finally:
-        dsa._kernel_takes = saved
 
 
 def main() -> None:

@@ -20,36 +20,15 @@ from __future__ import annotations
 import argparse
 import json
 import statistics
-import time
 
 import torch
 import torch.nn.functional as F
+from common import read_bandwidth, timed
 
 from horizon.quant.kernels import kernel_available, rows_matmul
 
 SHAPES = {"expert_gate_up": (1024, 512), "projection": (512, 512), "lm_head": (32768, 512)}
 COLD_BYTES = 192 << 20  # the copies of one weight together: several times a server CPU's L3
-
-
-def timed(fn, calls: int) -> float:
-    """Microseconds per call (after two warm-up calls)."""
-    fn(), fn()
-    t0 = time.perf_counter()
-    for _ in range(calls):
-        fn()
-    return (time.perf_counter() - t0) / calls * 1e6
-
-
-def read_bandwidth(calls: int) -> float:
-    """GB/s of a cold fp32 reduction: what streaming weights from memory can reach here."""
-    copies = [torch.randn(16 << 20) for _ in range(4)]  # 4 x 64 MB
-    i = [0]
-
-    def run():
-        i[0] = (i[0] + 1) % len(copies)
-        return copies[i[0]].sum()
-
-    return copies[0].numel() * 4 / timed(run, calls) / 1e3
 
 
 def weights(dtype: torch.dtype, N: int, K: int) -> list[torch.Tensor]:

@@ -156,6 +156,55 @@ def decode_index_scores(cache: LatentCache, batch: Batch, q: torch.Tensor, w: to
                               cache.block_size)[:, None]
 
 
+def latent_mqa(q: torch.Tensor, rows: torch.Tensor, visible: torch.Tensor, scale: float) -> torch.Tensor:
+    """Attention of q [B, T, H, width] over latent rows [B, T, S, width] per query (sparse) or [B, S, width]
+    shared (dense), restricted to visible [B, T, S]: [B, T, H, width] (fp32; the k_pe part of the output is
+    the caller's to drop). Products with the rows run in the rows' dtype (bf16 in a bf16 model, fp32
+    accumulation), the softmax in fp32; a query that sees nothing gets zeros."""
+    dt = rows.dtype
+    sub = "btsr" if rows.dim() == 4 else "bsr"
+    B, T, H, R = q.shape
+    if T * H <= SMALL_QUERY_ROWS:  # decode: rows first, in their stored layout (see indexer_scores)
+        if rows.dim() == 3:
+            scores = torch.matmul(rows, q.reshape(B, T * H, R).transpose(1, 2)).transpose(1, 2).view(B, T, H, -1)
+        else:
+            scores = torch.matmul(rows, q.transpose(-1, -2)).transpose(-1, -2)
+        scores = scores.float() * scale
+    else:
+        scores = torch.einsum(f"bthr,{sub}->bths", q, rows).float() * scale
+    probs = masked_softmax(scores, visible[:, :, None, :]).to(dt)
+    # contract with whole rows (a slice would copy every gathered row)
+    return torch.einsum(f"bths,{sub}->bthr", probs, rows).float()
+
+
+def paged_latent_attention_reference(pool: torch.Tensor, table: torch.Tensor, q: torch.Tensor, limit: torch.Tensor,
+                                     L: int, block_size: int, scale: float, v_width: int,
+                                     idx: torch.Tensor | None = None) -> torch.Tensor:
+    """One query per sequence (q [B, H, width]) over its rows in the paged pool [R, width] (block table
+    [B, nb]): [B, H, v_width] = latent_mqa over positions 0..L-1, or over the positions idx [B, k] when
+    given, where a position p is visible when 0 <= p < limit[b] and its block is assigned. It gathers the
+    rows first: the reference the in-place kernel (attention.cpp) is tested against."""
+    B = q.shape[0]
+    pos = torch.arange(L, device=pool.device).expand(B, L) if idx is None else idx
+    safe = pos.clamp(0, table.shape[1] * block_size - 1)
+    block = table.gather(1, safe // block_size)
+    visible = (pos >= 0) & (pos < limit[:, None]) & (pos < table.shape[1] * block_size) & (block >= 0)
+    rows = gather_rows(pool, torch.where(block >= 0, block * block_size + safe % block_size, 0))  # [B, n, width]
+    return latent_mqa(q[:, None], rows, visible[:, None], scale)[:, 0, :, :v_width]
+
+
+def paged_latent_attention(pool: torch.Tensor, table: torch.Tensor, q: torch.Tensor, limit: torch.Tensor, L: int,
+                           block_size: int, scale: float, v_width: int, idx: torch.Tensor | None = None,
+                           force_portable: bool = False) -> torch.Tensor:
+    """paged_latent_attention_reference's result, read in place: an fp32 pool on the CPU takes the compiled
+    kernel (horizon/quant/kernels/attention.cpp: one pass over the rows where they lie, online softmax),
+    eagerly and in compiled graphs, as paged_index_scores does; anything else, the reference."""
+    if _kernel_takes(pool):
+        return torch.ops.horizon_kernels.latent_attention_paged(pool, table, q.float().contiguous(), limit, idx, L,
+                                                                block_size, scale, v_width, force_portable)
+    return paged_latent_attention_reference(pool, table, q, limit, L, block_size, scale, v_width, idx)
+
+
 class LightningIndexer(nn.Module):
     def __init__(self, cfg: ModelConfig):
         super().__init__()
@@ -298,30 +347,32 @@ class GatedDSA(nn.Module):
         probs = masked_softmax(scores, visible[:, :, None, :])
         return torch.einsum("bths,btshv->bthv", probs, v[b, idx].float())
 
-    def _absorbed(self, q_nope, q_pe, rows, visible):
-        """MQA over the latent: rows [B, T, S, width] per query (sparse) or [B, S, width] shared (dense).
+    def _absorbed_query(self, q_nope, q_pe, dtype: torch.dtype) -> torch.Tensor:
+        """[B, T, H, kv_rank + rope]: W_kvb's key part folded into q_nope, beside q_pe (against [c_kv | k_pe])."""
+        w_uk, _ = self._w_kvb()
+        q_lat = torch.einsum("bthd,hdr->bthr", q_nope.float(), w_uk.float())
+        return torch.cat((q_lat, q_pe.float()), -1).to(dtype)
 
-        Products with the rows run in the rows' dtype (bf16 in a bf16 model, fp32 accumulation),
-        the softmax in fp32.
-        """
-        w_uk, w_uv = self._w_kvb()
-        dt = rows.dtype
-        q_lat = torch.einsum("bthd,hdr->bthr", q_nope.float(), w_uk.float())  # W_kvb's key part into q
-        q = torch.cat((q_lat, q_pe.float()), -1).to(dt)  # [B, T, H, kv_rank + rope] against [c_kv | k_pe]
-        sub = "btsr" if rows.dim() == 4 else "bsr"
-        B, T, H, R = q.shape
-        if T * H <= SMALL_QUERY_ROWS:  # decode: rows first, in their stored layout (see Indexer.scores)
-            if rows.dim() == 3:
-                scores = torch.matmul(rows, q.reshape(B, T * H, R).transpose(1, 2)).transpose(1, 2).view(B, T, H, -1)
-            else:
-                scores = torch.matmul(rows, q.transpose(-1, -2)).transpose(-1, -2)
-            scores = scores.float() * self.scale
-        else:
-            scores = torch.einsum(f"bthr,{sub}->bths", q, rows).float() * self.scale
-        probs = masked_softmax(scores, visible[:, :, None, :]).to(dt)
-        # contract with whole rows (a slice would copy every gathered row); drop the k_pe part after
-        o_lat = torch.einsum(f"bths,{sub}->bthr", probs, rows)[..., : self.kv_rank]
-        return torch.einsum("bthr,hvr->bthv", o_lat.float(), w_uv.float())  # W_kvb's value part on the output
+    def _absorbed_output(self, o_lat: torch.Tensor) -> torch.Tensor:
+        """[B, T, H, v]: W_kvb's value part on the attended latent o_lat [B, T, H, kv_rank]."""
+        _, w_uv = self._w_kvb()
+        return torch.einsum("bthr,hvr->bthv", o_lat.float(), w_uv.float())
+
+    def _absorbed(self, q_nope, q_pe, rows, visible):
+        """MQA over the latent: rows [B, T, S, width] per query (sparse) or [B, S, width] shared (dense)."""
+        q = self._absorbed_query(q_nope, q_pe, rows.dtype)
+        return self._absorbed_output(latent_mqa(q, rows, visible, self.scale)[..., : self.kv_rank])
+
+    def _absorbed_paged(self, q_nope, q_pe, cache: LatentCache, batch: Batch, q_pos, ctx_len,
+                        idx: torch.Tensor | None = None):
+        """A decode step's absorbed attention read in place from the paged pool (paged_latent_attention):
+        every visible position, or the selection idx [B, 1, k]; what _absorbed over the gathered rows gives."""
+        q = self._absorbed_query(q_nope, q_pe, cache.latent.dtype)[:, 0]  # [B, H, width]
+        limit = torch.minimum(ctx_len, q_pos[:, 0] + 1)  # positions < limit are visible to the query
+        o_lat = paged_latent_attention(cache.latent, cache.block_table[batch.slots], q, limit, batch.max_ctx,
+                                       cache.block_size, self.scale, self.kv_rank,
+                                       None if idx is None else idx[:, 0])
+        return self._absorbed_output(o_lat[:, None])
 
     def _sparse(self, x, c_q, q_nope, q_pe, ctx, batch, q_pos, ctx_len, form, options: ForwardOptions,
                 keep_picks: bool) -> tuple[torch.Tensor, torch.Tensor | None]:
@@ -351,6 +402,7 @@ class GatedDSA(nn.Module):
         # compiled graph to that length
         tile = 1 if T == 1 else max(1, INDEX_TILE_ELEMENTS // max(1, B * max(self.indexer.n_heads * L, k * width)))
         rows = ctx.rows(batch) if form == "expanded" else None
+        paged = T == 1 and form != "expanded" and isinstance(ctx, LatentCache) and _kernel_takes(ctx.latent)
         outs, picks, covered = [], [], 0.0
         for t0 in range(0, T, tile):
             sl = slice(t0, t0 + tile)
@@ -359,6 +411,8 @@ class GatedDSA(nn.Module):
             visible = (idx <= q_pos[:, sl, None]) & (idx < ctx_len[:, None, None])
             if form == "expanded":
                 outs.append(self._expanded_sparse(q_nope[:, sl], q_pe[:, sl], rows, idx, visible))
+            elif paged:  # a decode step: the selected rows read where they lie
+                outs.append(self._absorbed_paged(q_nope[:, sl], q_pe[:, sl], ctx, batch, q_pos[:, sl], ctx_len, idx))
             else:
                 outs.append(self._absorbed(q_nope[:, sl], q_pe[:, sl], gather_selected(ctx, batch, idx), visible))
             if keep_picks:
@@ -415,10 +469,12 @@ class GatedDSA(nn.Module):
             # every visible position is selected (or the caller attends to all of them): dense causal attention
             s_pos = torch.arange(L, device=x.device)
             visible = (s_pos <= q_pos[..., None]) & (s_pos < ctx_len[:, None, None])  # [B, T, L]
-            rows = ctx.rows(batch)
-            if form == "absorbed" or (form == "auto" and decode):
-                o = self._absorbed(q_nope, q_pe, rows, visible)
+            if decode and form != "expanded" and _kernel_takes(ctx.latent):
+                o = self._absorbed_paged(q_nope, q_pe, ctx, batch, q_pos, ctx_len)  # the rows where they lie
+            elif form == "absorbed" or (form == "auto" and decode):
+                o = self._absorbed(q_nope, q_pe, ctx.rows(batch), visible)
             else:
+                rows = ctx.rows(batch)
                 # every sequence starts at position 0 with the same length: `visible` is the causal triangle
                 plain_causal = batch.uniform and batch.max_ctx == batch.max_len
                 o = self._expanded_dense(q_nope, q_pe, rows, visible, plain_causal=plain_causal)
