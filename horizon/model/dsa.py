@@ -14,7 +14,8 @@ Attention in two equivalent forms (softmax scale (d_nope + d_rope)^-1/2 in both)
 The lightning indexer scores every visible past position,
     I(t, s) = sum_j w_tj * d_I^-1/2 * ReLU(q^I_tj . k^I_s),
 in tiles of queries (memory O(tile * L), never [T, H_I, T]) and keeps `index_topk` positions per
-query, ties broken toward the more recent position. Attention then gathers exactly those rows.
+query, ties broken toward the more recent position. Attention then reads exactly those rows (a decode
+step reads them where they lie in the paged cache: paged_latent_attention; elsewhere they are gathered).
 When every query sees at most `index_topk` positions the selection is everything visible, so the
 layer runs plain dense causal attention and skips the indexer.
 
