@@ -58,10 +58,19 @@ bool cpu_has_avx512f() {
   return has;
 }
 
+// `ahead` (or nullptr): the next block's keys, fetched into the cache a row for each row scored here (rows read
+// in place cross page boundaries from block to block, where the hardware prefetcher stops).
+HZ_AVX512 inline void prefetch_row(const float* ahead, int64_t r, int64_t d) {
+  if (!ahead) return;
+  const char* p = reinterpret_cast<const char*>(ahead + r * d);
+  for (int64_t b = 0; b < d * 4; b += 64) _mm_prefetch(p + b, _MM_HINT_T0);
+}
+
 // Heads in chunks of 16 lanes (the last one masked); per chunk, 4 accumulators over j mod 4.
 HZ_AVX512 void rows_avx512(const float* keys, int64_t n, const float* qt, const float* w, int64_t d,
-                           int64_t H, float* out) {
+                           int64_t H, float* out, const float* ahead) {
   for (int64_t r = 0; r < n; ++r) {
+    prefetch_row(ahead, r, d);
     const float* key = keys + r * d;
     __m512 total = _mm512_setzero_ps();
     for (int64_t h0 = 0; h0 < H; h0 += 16) {
@@ -96,7 +105,7 @@ HZ_AVX512 inline float finish_h8(__m512 acc, __m512 w_even) {
 }
 
 HZ_AVX512 void rows_avx512_h8(const float* keys, int64_t n, const float* qp, const float* w, int64_t d,
-                              float* out) {
+                              float* out, const float* ahead) {
   alignas(64) float we[16];
   for (int h = 0; h < 8; ++h) {
     we[2 * h] = w[h];
@@ -106,6 +115,8 @@ HZ_AVX512 void rows_avx512_h8(const float* keys, int64_t n, const float* qp, con
   const int64_t steps = d / 2;
   int64_t r = 0;
   for (; r + 2 <= n; r += 2) {
+    prefetch_row(ahead, r, d);
+    prefetch_row(ahead, r + 1, d);
     const double* k0 = reinterpret_cast<const double*>(keys + r * d);
     const double* k1 = reinterpret_cast<const double*>(keys + (r + 1) * d);
     __m512 a0 = _mm512_setzero_ps(), a1 = _mm512_setzero_ps(), b0 = _mm512_setzero_ps(), b1 = _mm512_setzero_ps();
@@ -136,7 +147,7 @@ HZ_AVX512 void rows_avx512_h8(const float* keys, int64_t n, const float* qp, con
 #else
 bool cpu_has_avx512f() { return false; }
 void rows_avx512(const float* keys, int64_t n, const float* qt, const float* w, int64_t d, int64_t H,
-                 float* out) {
+                 float* out, const float*) {
   rows_portable(keys, n, qt, w, d, H, out);
 }
 #endif
@@ -178,6 +189,12 @@ at::Tensor index_scores_paged(const at::Tensor& pool, const at::Tensor& table, c
   // a grain of ~2K rows: a short context's few blocks stay on one thread (waking a second costs more)
   const int64_t grain = std::max<int64_t>(1, 2048 / block_size);
   at::parallel_for(0, B * nblk, grain, [&](int64_t i0, int64_t i1) {
+    // the keys of this thread's item j, if it has one and its block is assigned (else nullptr)
+    auto next_block = [&](int64_t j, int64_t end) -> const float* {
+      if (j >= end) return nullptr;
+      const int64_t id = T[(j / nblk) * nb_table + j % nblk];
+      return id < 0 || (id + 1) * block_size > R ? nullptr : P + id * block_size * d;
+    };
     for (int64_t i = i0; i < i1; ++i) {
       const int64_t b = i / nblk, blk = i % nblk, p0 = blk * block_size;
       const int64_t n = std::min(block_size, L - p0);
@@ -188,10 +205,14 @@ at::Tensor index_scores_paged(const at::Tensor& pool, const at::Tensor& table, c
         continue;
       }
       const float* keys = P + id * block_size * d;
-      if (h8)
-        rows_avx512_h8(keys, n, QP + b * d * H, W + b * H, d, o);
-      else if (avx512)
-        rows_avx512(keys, n, Q + b * d * H, W + b * H, d, H, o);
+#ifdef HZ_X86
+      if (h8) {
+        rows_avx512_h8(keys, n, QP + b * d * H, W + b * H, d, o, next_block(i + 1, i1));
+        continue;
+      }
+#endif
+      if (avx512)
+        rows_avx512(keys, n, Q + b * d * H, W + b * H, d, H, o, next_block(i + 1, i1));
       else
         rows_portable(keys, n, Q + b * d * H, W + b * H, d, H, o);
     }
