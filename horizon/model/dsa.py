@@ -55,7 +55,13 @@ def topk_recent_first(scores: torch.Tensor, k: int) -> torch.Tensor:
     k-th largest value on both sides of it); only rows with such a tie are redone by
     `_topk_by_score_then_position`. Rows whose k-th value is -inf see fewer than k positions: they
     keep all of them whatever the tie order, and their remaining picks are invisible (masked out).
+    Where the CPU kernels run, fp32 scores take the exact selection in one radix select
+    (horizon/quant/kernels/topk.cpp: ~0.1 against ~0.5 ms over 64K scores), eagerly and in compiled graphs.
     """
+    L = scores.shape[-1]
+    if scores.dtype == torch.float32 and 0 < k <= L and _kernel_runs(scores.device):
+        rows = torch.ops.horizon_kernels.topk_recent_first_rows(scores.reshape(-1, L), k)
+        return rows.view(*scores.shape[:-1], k)
     if torch.compiler.is_compiling():  # no host sync inside a graph: always the exact integer top-k
         return _topk_by_score_then_position(scores, k)
     top = scores.topk(k, dim=-1, sorted=False)
@@ -129,11 +135,16 @@ def paged_index_scores_reference(pool: torch.Tensor, table: torch.Tensor, q: tor
     return indexer_scores(q[:, None], w[:, None], keys)[:, 0].masked_fill(block < 0, 0.0)
 
 
-def _kernel_takes(pool: torch.Tensor) -> bool:
-    """Whether the compiled kernel scores this pool (fp32, where the CPU kernels run)."""
+def _kernel_runs(device: torch.device) -> bool:
+    """Whether the CPU kernels serve tensors on `device` (horizon.quant.kernels.kernels_run_on)."""
     from horizon.quant import kernels  # here: horizon.quant's modules import this one
 
-    return pool.dtype == torch.float32 and kernels.kernels_run_on(pool.device)
+    return kernels.kernels_run_on(device)
+
+
+def _kernel_takes(pool: torch.Tensor) -> bool:
+    """Whether the compiled kernels read this pool in place (fp32, where the CPU kernels run)."""
+    return pool.dtype == torch.float32 and _kernel_runs(pool.device)
 
 
 def paged_index_scores(pool: torch.Tensor, table: torch.Tensor, q: torch.Tensor, w: torch.Tensor, L: int,

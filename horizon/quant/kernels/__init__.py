@@ -1,8 +1,8 @@
 """Horizon's CPU kernels, JIT-built on first use into one extension: the fused MXFP4 x activation matmul
 (`mxfp4.cpp`, its torch op here), the few-rows matmul of batched decode steps (`rows.cpp`: `rows_matmul`
 here, which the model runner's graph pass and the dense experts call), the lightning indexer's paged
-decode scores (`indexer.cpp`) and Gated DSA's decode attention over the paged latent rows (`attention.cpp`),
-both called from horizon.model.dsa beside their references, KDA's decode step on the
+decode scores (`indexer.cpp`), its exact top-k (`topk.cpp`) and Gated DSA's decode attention over the paged
+latent rows (`attention.cpp`), all called from horizon.model.dsa beside their references, KDA's decode step on the
 cached states in place (`kda.cpp`, called from horizon.model.kda beside its reference) and the engine's greedy
 pick (`argmax.cpp`: `argmax_rows` here, torch.argmax its reference).
 
@@ -49,10 +49,10 @@ from horizon.quant.mxfp4 import BLOCK, check_packed, dequantize
 
 log = logging.getLogger(__name__)
 
-# one extension: indexer.cpp and attention.cpp are horizon.model.dsa's, kda.cpp horizon.model.kda's, rows.cpp
-# the few-rows matmul (`rows_matmul` below), argmax.cpp the greedy pick (`argmax_rows` below)
-SOURCES = tuple(Path(__file__).with_name(name) for name in ("mxfp4.cpp", "indexer.cpp", "attention.cpp", "kda.cpp",
-                                                              "rows.cpp", "argmax.cpp"))
+# one extension: indexer.cpp, topk.cpp and attention.cpp are horizon.model.dsa's, kda.cpp horizon.model.kda's,
+# rows.cpp the few-rows matmul (`rows_matmul` below), argmax.cpp the greedy pick (`argmax_rows` below)
+SOURCES = tuple(Path(__file__).with_name(name) for name in ("mxfp4.cpp", "indexer.cpp", "topk.cpp", "attention.cpp",
+                                                              "kda.cpp", "rows.cpp", "argmax.cpp"))
 HEADERS = (Path(__file__).with_name("grouping.h"),)  # hashed with the sources: a change rebuilds
 _lock = threading.Lock()
 _built: bool | None = None  # None: not tried yet in this process
@@ -103,11 +103,15 @@ def _build() -> None:
 
 def _register_fakes() -> None:
     """Shapes for torch.compile of the C++ ops a graph calls directly (no Python wrapper between the graph
-    and the kernel: the indexer's scores and the attention, once each per DSA layer per decode step)."""
+    and the kernel: the indexer's scores, its top-k and the attention, once each per DSA layer per decode step)."""
 
     @torch.library.register_fake("horizon_kernels::index_scores_paged")
     def _(pool, table, q, w, L, block_size, force_portable=False):
         return pool.new_empty((q.shape[0], L), dtype=torch.float32)
+
+    @torch.library.register_fake("horizon_kernels::topk_recent_first_rows")
+    def _(scores, k, force_portable=False):
+        return scores.new_empty((scores.shape[0], k), dtype=torch.int64)
 
     @torch.library.register_fake("horizon_kernels::latent_attention_paged")
     def _(pool, table, q, lens, idx, L, block_size, scale, v_width, force_portable=False):
