@@ -117,13 +117,15 @@ def test_two_rank_train_resumes_exactly(rank_results, run_dir):
 
 
 def test_two_rank_train_matches_one_rank(run_dir, one_rank):
-    """Losses within fp32 reduction-order tolerance of one process; the checkpoint has the one-process layout
+    """Losses within fp32 reduction-order tolerance of one process (the first step's tightly: the same weights;
+    later ones as far as AdamW moves the two runs' weights apart); the checkpoint has the one-process layout
     (the same safetensors keys, shapes and dtypes, weights and trainer state) and loads like it."""
     two, one = _log(run_dir / "two-straight"), _log(one_rank)
     assert [e["step"] for e in two] == [e["step"] for e in one] == list(range(1, 7))
     for a, b in zip(two, one, strict=True):
         assert (a["tokens"], a["target_tokens"], a["lr"]) == (b["tokens"], b["target_tokens"], b["lr"])
-        for key, tol in (("loss", ranks.FP32_LOSS_TOL), ("grad_norm", ranks.FP32_GRAD_NORM_TOL)):
+        loss_tol = ranks.FP32_LOSS_TOL if a["step"] == 1 else ranks.FP32_LOSS_DRIFT_TOL
+        for key, tol in (("loss", loss_tol), ("grad_norm", ranks.FP32_GRAD_NORM_TOL)):
             assert abs(a[key] - b[key]) <= tol * abs(b[key]), (key, a[key], b[key])
     for name in ("model.safetensors", "trainer_state/state.safetensors"):
         a = load_file(run_dir / "two-straight" / "checkpoint" / name)
@@ -135,9 +137,9 @@ def test_two_rank_train_matches_one_rank(run_dir, one_rank):
     two_model, one_model = load(run_dir / "two-straight" / "checkpoint"), load(one_rank / "checkpoint")
     ids = torch.arange(1, 40)[None]
     with torch.no_grad():
-        # after 6 AdamW steps the runs' weights have drifted apart by reduction order (_fsdp_ranks, FP32_PARAM_TOL):
-        # 5e-4 measured on logits of about 1
-        assert torch.allclose(two_model(ids), one_model(ids), rtol=0, atol=2e-3)
+        # after 6 AdamW steps the runs' weights have drifted apart by reduction order (_fsdp_ranks,
+        # FP32_LOSS_DRIFT_TOL), so this is loose; the first step's loss above is the tight check
+        assert torch.allclose(two_model(ids), one_model(ids), rtol=0, atol=ranks.DRIFT_LOGITS_ATOL)
 
 
 def test_rl_step_on_two_ranks_equals_one_process(rank_results):
