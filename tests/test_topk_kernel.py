@@ -1,9 +1,9 @@
 """The DSA indexer's exact top-k kernel (horizon/quant/kernels/topk.cpp, dsa.topk_recent_first): it selects
-exactly the set the (score, position) reference selects, on rows with many exact ties, -0.0 beside 0.0,
--inf (masked) positions, NaNs, scores in a narrow band, the largest scores where its sample does not look,
-k of 1 and of the whole row, on both code paths (AVX-512 and portable); its positions come in increasing
-order; torch.compile calls it with a dynamic row length; without the
-kernel the PyTorch paths run."""
+exactly the set the (score, position) reference selects, on rows with many exact ties, -0.0 beside 0.0, -inf
+(masked) positions, rows masked past a short prefix, NaNs, scores in a narrow band, the largest scores where its
+sample does not look, k of 1 and of the whole row, on both code paths (AVX-512 and portable); its positions
+come in increasing order; torch.compile calls it with a dynamic row length; without the kernel the PyTorch
+paths run."""
 
 import os
 
@@ -22,6 +22,12 @@ def rows_of(kind: str, R: int, L: int, k: int, gen: torch.Generator) -> torch.Te
         return torch.randint(-2, 3, (R, L), generator=gen).float()
     if kind == "one_bucket":  # every score within a hair of 1.0
         return 1.0 + torch.rand(R, L, generator=gen) * 2**-8
+    if kind == "masked":  # visible prefixes of k / 2 and 3 k / 2 scores, the rest -inf (short rows in a batch)
+        s = torch.full((R, L), float("-inf"))
+        for r in range(R):
+            v = min(L, k // 2 + (r % 2) * k)
+            s[r, :v] = torch.randn(v, generator=gen)
+        return s
     if kind == "rising":  # the largest scores where the strided sample does not look: its threshold misses
         s = torch.full((R, L), -1.0)
         s[:, -k:] = torch.arange(k, dtype=torch.float32)
@@ -39,7 +45,7 @@ def as_sets(idx: torch.Tensor) -> list[list[int]]:
 
 
 @pytest.mark.parametrize("portable", [False, True], ids=["avx512", "portable"])
-@pytest.mark.parametrize("kind", ["spread", "ties", "one_bucket", "rising"])
+@pytest.mark.parametrize("kind", ["spread", "ties", "one_bucket", "rising", "masked"])
 @pytest.mark.parametrize("R,L,k", [(3, 50, 10), (2, 4097, 2048), (1, 70000, 2048), (2, 20000, 64), (4, 9, 1),
                                    (2, 33, 33)])
 def test_the_kernel_selects_what_the_reference_selects(portable, kind, R, L, k):
