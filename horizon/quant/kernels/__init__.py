@@ -158,9 +158,9 @@ def kernel_available() -> bool:
                     except Exception as exc:  # any build or load failure: the reference still works
                         why = _last_line(exc)
                         log.warning("CPU kernels unavailable (building %s failed: %s: %s); MXFP4 layers use "
-                                    "the PyTorch reference (dequantise, then matmul), and the DSA indexer "
-                                    "gathers its keys before scoring them", " and ".join(s.name for s in SOURCES),
-                                    type(exc).__name__, why)
+                                    "the PyTorch reference (dequantise, then matmul), and the DSA and KDA "
+                                    "layers gather their cached rows and states first",
+                                    " and ".join(s.name for s in SOURCES), type(exc).__name__, why)
                         _built = False
     return _built
 
