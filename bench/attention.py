@@ -26,11 +26,10 @@ from __future__ import annotations
 import argparse
 import json
 import statistics
-import sys
 import time
 
 import torch
-from common import fill_synthetic, gathered_rows, read_bandwidth, timed
+from common import fill_synthetic, gathered_rows, log, read_bandwidth, timed
 
 from horizon import ModelConfig
 from horizon.engine.runner import ModelRunner, StepInputs
@@ -43,10 +42,6 @@ COLD_BYTES = 192 << 20  # the pool's rows together: several times a server CPU's
 # (sequences, context, picks): picks 0 = dense (every position), else a sparse selection of that many
 GRID = [(1, 256, 0), (1, 2048, 0), (16, 256, 0), (16, 1950, 0), (1, 16384, 0), (1, 65536, 2048), (16, 8192, 2048)]
 QUICK_GRID = [(1, 256, 0), (16, 1950, 0), (4, 8192, 2048)]
-
-
-def log(msg: str) -> None:
-    print(f"[bench/attention {time.strftime('%H:%M:%S')}] {msg}", file=sys.stderr, flush=True)
 
 
 class Problem:

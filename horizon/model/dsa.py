@@ -123,16 +123,27 @@ def indexer_scores(q: torch.Tensor, w: torch.Tensor, keys: torch.Tensor) -> torc
     return torch.bmm(w, s).view(B, t, -1)  # sum over heads: [B*t, 1, H] @ [B*t, H, L]
 
 
+def paged_rows(table: torch.Tensor, pos: torch.Tensor, block_size: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """(pool rows, assigned) of positions pos [B, n] under the block table [B, nb]: position p of sequence b is
+    row table[b, p // block_size] * block_size + p % block_size. Positions outside the table or in an
+    unassigned block (-1) are not assigned and map to row 0 (a harmless stand-in that keeps a gather in
+    bounds)."""
+    span = table.shape[1] * block_size
+    safe = pos.clamp(0, span - 1)
+    block = table.gather(1, safe // block_size)
+    assigned = (pos >= 0) & (pos < span) & (block >= 0)
+    return torch.where(assigned, block * block_size + safe % block_size, 0), assigned
+
+
 def paged_index_scores_reference(pool: torch.Tensor, table: torch.Tensor, q: torch.Tensor, w: torch.Tensor,
                                  L: int, block_size: int) -> torch.Tensor:
     """One query per sequence against its first L cached keys: [B, L] = indexer_scores over the rows the
     block table [B, nb] maps positions to (pool [R, d_I]; q [B, H_I, d_I]; w [B, H_I]). Positions in
     unassigned blocks (-1: past a sequence's end, masked by every caller) score 0. It gathers every key
     row of the context first: the reference the in-place kernel is tested against."""
-    pos = torch.arange(L, device=pool.device)
-    block = table[:, pos // block_size]
-    keys = gather_rows(pool, torch.where(block >= 0, block * block_size + pos % block_size, 0))
-    return indexer_scores(q[:, None], w[:, None], keys)[:, 0].masked_fill(block < 0, 0.0)
+    rows, assigned = paged_rows(table, torch.arange(L, device=pool.device).expand(table.shape[0], L), block_size)
+    keys = gather_rows(pool, rows)
+    return indexer_scores(q[:, None], w[:, None], keys)[:, 0].masked_fill(~assigned, 0.0)
 
 
 def _kernel_runs(device: torch.device) -> bool:
@@ -145,6 +156,12 @@ def _kernel_runs(device: torch.device) -> bool:
 def _kernel_takes(pool: torch.Tensor) -> bool:
     """Whether the compiled kernels read this pool in place (fp32, where the CPU kernels run)."""
     return pool.dtype == torch.float32 and _kernel_runs(pool.device)
+
+
+def _reads_in_place(ctx, T: int, form: str) -> bool:
+    """Whether a step's absorbed attention reads the paged pool in place (GatedDSA._absorbed_paged): one query
+    per sequence (decode) over a cache whose pool the kernel takes."""
+    return T == 1 and form != "expanded" and isinstance(ctx, LatentCache) and _kernel_takes(ctx.latent)
 
 
 def paged_index_scores(pool: torch.Tensor, table: torch.Tensor, q: torch.Tensor, w: torch.Tensor, L: int,
@@ -196,13 +213,10 @@ def paged_latent_attention_reference(pool: torch.Tensor, table: torch.Tensor, q:
     [B, nb]): [B, H, v_width] = latent_mqa over positions 0..L-1, or over the positions idx [B, k] when
     given, where a position p is visible when 0 <= p < limit[b] and its block is assigned. It gathers the
     rows first: the reference the in-place kernel (attention.cpp) is tested against."""
-    B = q.shape[0]
-    pos = torch.arange(L, device=pool.device).expand(B, L) if idx is None else idx
-    safe = pos.clamp(0, table.shape[1] * block_size - 1)
-    block = table.gather(1, safe // block_size)
-    visible = (pos >= 0) & (pos < limit[:, None]) & (pos < table.shape[1] * block_size) & (block >= 0)
-    rows = gather_rows(pool, torch.where(block >= 0, block * block_size + safe % block_size, 0))  # [B, n, width]
-    return latent_mqa(q[:, None], rows, visible[:, None], scale)[:, 0, :, :v_width]
+    pos = torch.arange(L, device=pool.device).expand(q.shape[0], L) if idx is None else idx
+    rows, assigned = paged_rows(table, pos, block_size)
+    visible = assigned & (pos < limit[:, None])
+    return latent_mqa(q[:, None], gather_rows(pool, rows), visible[:, None], scale)[:, 0, :, :v_width]
 
 
 def paged_latent_attention(pool: torch.Tensor, table: torch.Tensor, q: torch.Tensor, limit: torch.Tensor, L: int,
@@ -414,7 +428,7 @@ class GatedDSA(nn.Module):
         # compiled graph to that length
         tile = 1 if T == 1 else max(1, INDEX_TILE_ELEMENTS // max(1, B * max(self.indexer.n_heads * L, k * width)))
         rows = ctx.rows(batch) if form == "expanded" else None
-        paged = T == 1 and form != "expanded" and isinstance(ctx, LatentCache) and _kernel_takes(ctx.latent)
+        paged = _reads_in_place(ctx, T, form)
         outs, picks, covered = [], [], 0.0
         for t0 in range(0, T, tile):
             sl = slice(t0, t0 + tile)
@@ -479,17 +493,17 @@ class GatedDSA(nn.Module):
         selected = None
         if self.indexer is None or self.indexer.topk >= L or options.selection == "dense":
             # every visible position is selected (or the caller attends to all of them): dense causal attention
-            s_pos = torch.arange(L, device=x.device)
-            visible = (s_pos <= q_pos[..., None]) & (s_pos < ctx_len[:, None, None])  # [B, T, L]
-            if decode and form != "expanded" and _kernel_takes(ctx.latent):
+            if _reads_in_place(ctx, batch.max_len, form):
                 o = self._absorbed_paged(q_nope, q_pe, ctx, batch, q_pos, ctx_len)  # the rows where they lie
-            elif form == "absorbed" or (form == "auto" and decode):
-                o = self._absorbed(q_nope, q_pe, ctx.rows(batch), visible)
             else:
-                rows = ctx.rows(batch)
-                # every sequence starts at position 0 with the same length: `visible` is the causal triangle
-                plain_causal = batch.uniform and batch.max_ctx == batch.max_len
-                o = self._expanded_dense(q_nope, q_pe, rows, visible, plain_causal=plain_causal)
+                s_pos = torch.arange(L, device=x.device)
+                visible = (s_pos <= q_pos[..., None]) & (s_pos < ctx_len[:, None, None])  # [B, T, L]
+                if form == "absorbed" or (form == "auto" and decode):
+                    o = self._absorbed(q_nope, q_pe, ctx.rows(batch), visible)
+                else:
+                    # every sequence starts at position 0 with the same length: `visible` is the causal triangle
+                    plain_causal = batch.uniform and batch.max_ctx == batch.max_len
+                    o = self._expanded_dense(q_nope, q_pe, ctx.rows(batch), visible, plain_causal=plain_causal)
         else:
             tap = options.indexer_inputs and cache is None
             o, selected = self._sparse(x, c_q, q_nope, q_pe, ctx, batch, q_pos, ctx_len, form, options,

@@ -235,10 +235,10 @@ HZ_AVX512 void group_avx512(const Problem& P, const float* const* rows, int n, c
   }
 }
 
+// probs: scratch of H * 16; zeros: a row of W zeros (both the calling thread's, kept across its chunks)
 HZ_AVX512 void chunk_avx512(const Problem& P, int64_t b, int64_t i0, int64_t i1, int64_t len, const float* q,
-                            Partial s) {
+                            Partial s, std::vector<float>& probs, const std::vector<float>& zeros) {
   static const __m512i order = tree_order();
-  std::vector<float> probs(P.H * 16), zeros(P.W, 0.0f);
   // groups of 16 visible rows, collected one group ahead of the one computed (so it can be prefetched)
   const float* bufs[2][16];
   const float** cur = bufs[0];
@@ -291,12 +291,13 @@ at::Tensor latent_attention_paged(const at::Tensor& pool, const at::Tensor& tabl
   const int64_t* lp = lc.data_ptr<int64_t>();
   const bool avx512 = !force_portable && cpu_has_avx512f();
   at::parallel_for(0, items, 1, [&](int64_t t0, int64_t t1) {
+    std::vector<float> probs(avx512 ? H * 16 : 0), zeros(avx512 ? W : 0, 0.0f);
     for (int64_t t = t0; t < t1; ++t) {
       const int64_t b = t / chunks, i0 = (t % chunks) * CHUNK, i1 = std::min(P.n, i0 + CHUNK);
       const Partial s{m.data() + t * H, l.data() + t * H, acc.data() + t * H * V};
 #ifdef HZ_X86
       if (avx512) {
-        chunk_avx512(P, b, i0, i1, lp[b], Q + b * H * W, s);
+        chunk_avx512(P, b, i0, i1, lp[b], Q + b * H * W, s, probs, zeros);
         continue;
       }
 #endif

@@ -49,10 +49,20 @@ inline uint32_t ordered(const float* s, int64_t i) {
   return ordered_bits(bits);
 }
 
+// One thread's buffers, kept across its rows.
 struct Scratch {
   std::vector<uint32_t> sample;
   std::vector<uint64_t> cand, pairs;  // (key << 32) | position
   std::vector<int64_t> ties;
+  // the vector pass's compressed keys and positions: uninitialised (a zero fill would cost more than the pass)
+  std::unique_ptr<uint32_t[]> keys, pos;
+  int64_t capacity = 0;
+  void reserve_compressed(int64_t L) {
+    if (L <= capacity) return;
+    keys.reset(new uint32_t[L]);
+    pos.reset(new uint32_t[L]);
+    capacity = L;
+  }
 };
 
 // positions with key > t, as (key, position) pairs in position order; returns how many keys equal t
@@ -74,11 +84,11 @@ bool cpu_has_avx512f() {
   return has;
 }
 
-HZ_AVX512 int64_t candidates_avx512(const float* s, int64_t L, uint32_t t, std::vector<uint64_t>& out) {
-  // compressed keys and positions, then paired (uninitialised: a zero fill would cost more than the pass)
-  std::unique_ptr<uint32_t[]> key_buf(new uint32_t[L]), pos_buf(new uint32_t[L]);
-  uint32_t* keys = key_buf.get();
-  uint32_t* pos = pos_buf.get();
+HZ_AVX512 int64_t candidates_avx512(const float* s, int64_t L, uint32_t t, Scratch& w) {
+  w.reserve_compressed(L);  // compressed keys and positions first, paired after
+  uint32_t* keys = w.keys.get();
+  uint32_t* pos = w.pos.get();
+  std::vector<uint64_t>& out = w.cand;
   const __m512i sign = _mm512_set1_epi32(static_cast<int>(0x80000000u));
   const __m512i mag = _mm512_set1_epi32(0x7FFFFFFF);
   const __m512i tv = _mm512_set1_epi32(static_cast<int>(t));
@@ -127,7 +137,7 @@ void row_topk(const float* s, int64_t L, int64_t k, int64_t* out, Scratch& w, bo
     w.cand.clear();
 #ifdef HZ_X86
     if (avx512)
-      eq = candidates_avx512(s, L, t, w.cand);
+      eq = candidates_avx512(s, L, t, w);
     else
 #endif
       eq = candidates_portable(s, L, t, w.cand);
