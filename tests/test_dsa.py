@@ -76,6 +76,23 @@ def test_topk_recent_first_orders_by_score_then_recency():
         assert sorted(got) == sorted(want)
 
 
+def test_the_integer_topk_fallback_orders_by_score_then_recency():
+    """The path compiled graphs take without the CPU kernels, on rows as a batched step gives it: many ties,
+    and short sequences' rows -inf past their own context (it reads a batch's rows out of order; the set must
+    not depend on that), at an even and an odd length."""
+    g = torch.Generator().manual_seed(1)
+    for n in (300, 301):
+        r = torch.randint(0, 4, (4, n), generator=g).float()
+        r[1, 40:] = float("-inf")  # fewer visible positions than k
+        r[2, 90:] = float("-inf")
+        r[3, ::3] = -0.0
+        for k in (1, 64, n):
+            picked = dsa_mod._topk_by_score_then_position(r, k)
+            for row, got in zip(r.tolist(), picked.tolist(), strict=True):
+                want = sorted(range(n), key=lambda i: (row[i] + 0.0, i), reverse=True)[:k]
+                assert sorted(got) == sorted(want), (n, k)
+
+
 def test_topk_covering_the_length_is_dense_causal_attention():
     layer = make_layer(index_topk=64)
     x = torch.randn(40, 64)
