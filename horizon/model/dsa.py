@@ -92,13 +92,16 @@ def _topk_by_score_then_position(scores: torch.Tensor, k: int) -> torch.Tensor:
 
 
 def _interleave_halves(keys: torch.Tensor) -> torch.Tensor:
-    """keys [..., n] in the order 0, m, 1, m + 1, ... (m = ceil(n / 2); a pad key below every real one when n
-    is odd, never selected since k <= n). Why: the selected set does not depend on the order, but aten's CPU
-    top-k degenerates on long rising runs, and a batched step's rows have them: the scores span the longest
-    context, so a short sequence's row is -inf past its own, one run of keys rising with position. Compiled,
-    k = 2,048, 16 x 64K rows with 15 visible to 1K: 37 ms in order, ~2-3 ms interleaved. (Reading the row back
-    to front does as well, but inductor fails on a reversed index of a dynamic length.) One row has no such
-    runs and keeps its order."""
+    """keys [..., n] in the order 0, m, 1, m + 1, ... (m = ceil(n / 2)).
+
+    Why: the selected set does not depend on the order, but aten's CPU top-k degenerates on long rising runs,
+    and a batched step's rows have them: the scores span the longest context, so a short sequence's row is
+    -inf past its own, one run of keys rising with position. Compiled, k = 2,048, 16 x 64K rows with 15
+    visible to 1K: 37 ms in order, ~2-3 ms interleaved. (Reading the row back to front does as well, but
+    inductor fails on a reversed index of a dynamic length.) One row has no such runs and keeps its order.
+    An odd n gets one pad key, the int64 minimum: no real key is below it, and the only one that can equal
+    it (an all-ones NaN at position 0) decodes to the same position, so the picks are unchanged for k <= n.
+    """
     n = keys.shape[-1]
     m = (n + 1) // 2
     padded = torch.nn.functional.pad(keys, (0, 2 * m - n), value=torch.iinfo(torch.int64).min)
