@@ -23,20 +23,18 @@ Prints a table (unless --json) and, on the last line, one JSON object. `ratio` >
 
 from __future__ import annotations
 
-import argparse
 import json
 import statistics
 import time
 
 import torch
-from common import fill_synthetic, gathered_rows, log, read_bandwidth, timed
+from common import fill_synthetic, gathered_rows, kernel_args, kernel_parser, log, read_bandwidth, timed
 
 from horizon import ModelConfig
 from horizon.engine.runner import ModelRunner, StepInputs
 from horizon.model import HorizonCache, HorizonForCausalLM
 from horizon.model.dsa import paged_latent_attention, paged_latent_attention_reference
 from horizon.quant import quantize_model
-from horizon.quant.kernels import kernel_available
 
 COLD_BYTES = 192 << 20  # the pool's rows together: several times a server CPU's L3
 # (sequences, context, picks): picks 0 = dense (every position), else a sparse selection of that many
@@ -149,17 +147,10 @@ def step_section(B: int, context: int, rounds: int, steps: int) -> dict:
 
 
 def main() -> None:
-    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    ap.add_argument("--threads", type=int, default=2)
-    ap.add_argument("--repeats", type=int, default=5)
+    ap = kernel_parser(__doc__, 5, "a smaller grid, one round, a short step section")
     ap.add_argument("--step-batch", type=int, default=16, help="sequences of the step section (0: skip it)")
     ap.add_argument("--step-context", type=int, default=1900)
-    ap.add_argument("--quick", action="store_true", help="a smaller grid, one round, a short step section")
-    ap.add_argument("--json", action="store_true", help="only the JSON line")
-    args = ap.parse_args()
-    torch.set_num_threads(args.threads)
-    if not kernel_available():
-        raise SystemExit("the CPU kernels did not build (see the warning above): nothing to measure")
+    args = kernel_args(ap)
     repeats, calls = (1, 5) if args.quick else (args.repeats, 20)
     cfg = ModelConfig.preset("small")
     res = {"bench": "attention", "threads": args.threads, "torch": torch.__version__, "repeats": repeats}

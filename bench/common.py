@@ -454,6 +454,27 @@ def finish_args(args):
 
 
 # --- kernel timing ---------------------------------------------------------------------------------
+def kernel_parser(doc: str, repeats: int, quick_help: str) -> argparse.ArgumentParser:
+    """The options every kernel benchmark (rows, attention, topk) has; the script adds its own before parsing."""
+    ap = argparse.ArgumentParser(description=doc, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--threads", type=int, default=2)
+    ap.add_argument("--repeats", type=int, default=repeats)
+    ap.add_argument("--quick", action="store_true", help=quick_help)
+    ap.add_argument("--json", action="store_true", help="only the JSON line")
+    return ap
+
+
+def kernel_args(ap: argparse.ArgumentParser) -> argparse.Namespace:
+    """Parses, sets the thread count, and stops with a clear message where the CPU kernels did not build."""
+    from horizon.quant.kernels import kernel_available
+
+    args = ap.parse_args()
+    torch.set_num_threads(args.threads)
+    if not kernel_available():
+        raise SystemExit("the CPU kernels did not build (see the warning above): nothing to measure")
+    return args
+
+
 def timed(fn, calls: int) -> float:
     """Microseconds per call (after two warm-up calls)."""
     fn(), fn()

@@ -17,15 +17,14 @@ Prints a table (unless --json) and, on the last line, one JSON object.
 
 from __future__ import annotations
 
-import argparse
 import json
 import statistics
 
 import torch
 import torch.nn.functional as F
-from common import read_bandwidth, timed
+from common import kernel_args, kernel_parser, read_bandwidth, timed
 
-from horizon.quant.kernels import kernel_available, rows_matmul
+from horizon.quant.kernels import rows_matmul
 
 SHAPES = {"expert_gate_up": (1024, 512), "projection": (512, 512), "lm_head": (32768, 512)}
 COLD_BYTES = 192 << 20  # the copies of one weight together: several times a server CPU's L3
@@ -49,17 +48,10 @@ def cycling(fn, ws):
 
 
 def main() -> None:
-    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    ap.add_argument("--threads", type=int, default=2)
-    ap.add_argument("--repeats", type=int, default=5)
+    ap = kernel_parser(__doc__, 5, "one round, fewer calls, no LM head (a smoke run)")
     ap.add_argument("--rows", type=int, nargs="+", default=[1, 2, 4, 8, 16, 64])
     ap.add_argument("--shapes", nargs="+", default=list(SHAPES), choices=list(SHAPES))
-    ap.add_argument("--quick", action="store_true", help="one round, fewer calls, no LM head (a smoke run)")
-    ap.add_argument("--json", action="store_true", help="only the JSON line")
-    args = ap.parse_args()
-    torch.set_num_threads(args.threads)
-    if not kernel_available():
-        raise SystemExit("the CPU kernels did not build (see the warning above): nothing to measure")
+    args = kernel_args(ap)
     shapes = [s for s in args.shapes if not (args.quick and s == "lm_head")]
     repeats, calls = (1, 5) if args.quick else (args.repeats, 20)
     res = {"bench": "rows", "threads": args.threads, "torch": torch.__version__, "repeats": repeats, "results": []}

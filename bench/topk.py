@@ -19,16 +19,14 @@ Prints a table (unless --json) and, on the last line, one JSON object. `ratio_vs
 
 from __future__ import annotations
 
-import argparse
 import json
 import statistics
 import time
 
 import torch
-from common import log, read_bandwidth, timed
+from common import kernel_args, kernel_parser, log, read_bandwidth, timed
 
 from horizon.model.dsa import _topk_by_score_then_position, topk_recent_first
-from horizon.quant.kernels import kernel_available
 
 # (rows, length, k, kind)
 GRID = [(1, 65536, 2048, "random"), (1, 1 << 20, 2048, "random"), (16, 8192, 2048, "random"),
@@ -75,16 +73,7 @@ def measure(s: torch.Tensor, k: int, kind: str, repeats: int, bandwidths: list[f
 
 
 def main() -> None:
-    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    ap.add_argument("--threads", type=int, default=2)
-    ap.add_argument("--repeats", type=int, default=7)
-    ap.add_argument("--quick", action="store_true", help="a smaller grid, one round")
-    ap.add_argument("--json", action="store_true", help="only the JSON line")
-    args = ap.parse_args()
-    torch.set_num_threads(args.threads)
-    if not kernel_available():
-        raise SystemExit("bench/topk.py: the CPU kernels are not built here (see the warning above), "
-                         "so there is nothing to compare")
+    args = kernel_args(kernel_parser(__doc__, 7, "a smaller grid, one round"))
     grid, repeats = (QUICK_GRID, 1) if args.quick else (GRID, args.repeats)
     gen = torch.Generator().manual_seed(0)
     rows, bandwidths = [], []
