@@ -31,6 +31,7 @@ from horizon.chat import load_tokenizer
 from horizon.engine import Engine, FinishEvent, Request, SamplingParams, TokenEvent
 from horizon.model import HorizonCache, HorizonForCausalLM
 from horizon.model.dsa import GatedDSA
+from horizon.quant.kernels import kernel_available
 
 GOAL_BATCH1 = 4.0  # the issue's target: ours / transformers decode tokens/s at batch 1
 HF_FAMILIES = ("kimi_linear", "glm5_next")
@@ -466,8 +467,6 @@ def kernel_parser(doc: str, repeats: int, quick_help: str) -> argparse.ArgumentP
 
 def kernel_args(ap: argparse.ArgumentParser) -> argparse.Namespace:
     """Parses, sets the thread count, and stops with a clear message where the CPU kernels did not build."""
-    from horizon.quant.kernels import kernel_available
-
     args = ap.parse_args()
     torch.set_num_threads(args.threads)
     if not kernel_available():
