@@ -3,7 +3,9 @@
 For the weight shapes of the `small` preset's decode step (a [512 -> 1024] expert gate_up, a [512 -> 512]
 projection, the [512 -> 32768] LM head) and 1-64 rows of activations (the rows a batched decode step
 multiplies), in one process, rounds interleaved, medians:
-- fp32 and bf16 weights: `rows_matmul` against `F.linear` in the weights' dtype (MKL sgemm / oneDNN);
+- fp32 and bf16 weights: `rows_matmul` against `F.linear` in the weights' dtype (MKL sgemm / oneDNN), x in
+  that dtype for bf16 as in a bf16 model (the kernel's AMX path where the CPU has AMX, `HORIZON_AMX=0` for its
+  AVX-512 one; the JSON says which ran);
 - int8 weights: against `aten._weight_int8pack_mm` (what horizon.quant.int8.Int8Linear calls);
 - a baseline for the physical limit: the read bandwidth of a cold fp32 reduction (`torch.sum`) measured in
   the same run, and each call's weight bytes / time as a fraction of it.
@@ -24,7 +26,7 @@ import torch
 import torch.nn.functional as F
 from common import kernel_args, kernel_parser, read_bandwidth, timed
 
-from horizon.quant.kernels import rows_matmul
+from horizon.quant.kernels import has_amx, has_avx512, rows_matmul
 
 SHAPES = {"expert_gate_up": (1024, 512), "projection": (512, 512), "lm_head": (32768, 512)}
 COLD_BYTES = 192 << 20  # the copies of one weight together: several times a server CPU's L3
@@ -54,7 +56,8 @@ def main() -> None:
     args = kernel_args(ap)
     shapes = [s for s in args.shapes if not (args.quick and s == "lm_head")]
     repeats, calls = (1, 5) if args.quick else (args.repeats, 20)
-    res = {"bench": "rows", "threads": args.threads, "torch": torch.__version__, "repeats": repeats, "results": []}
+    res = {"bench": "rows", "threads": args.threads, "torch": torch.__version__, "repeats": repeats,
+           "bf16_path": "amx" if has_amx() else "avx512" if has_avx512() else "portable", "results": []}
     bandwidths = []
     for shape in shapes:
         N, K = SHAPES[shape]
@@ -64,7 +67,8 @@ def main() -> None:
             for M in args.rows:
                 x = torch.randn(M, K)
                 xd = x.to(torch.bfloat16 if dtype == torch.int8 else dtype)
-                ours = cycling(lambda w, x=x: rows_matmul(x, w), ws)
+                # bf16 weights take bf16 x, as a bf16 model's projections do (the AMX path where the CPU has it)
+                ours = cycling(lambda w, x=xd if dtype == torch.bfloat16 else x: rows_matmul(x, w), ws)
                 if dtype == torch.int8:
                     theirs = cycling(lambda w, xd=xd, ones=ones: torch.ops.aten._weight_int8pack_mm(xd, w, ones), ws)
                 else:

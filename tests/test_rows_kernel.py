@@ -1,9 +1,12 @@
 """The few-rows matmul kernel (horizon/quant/kernels/rows.cpp): it computes x @ W^T in fp32 for fp32, bf16 and
-int8 weights, one matrix or stacked experts, on both code paths (AVX-512 and portable); the compiled decode
+int8 weights, one matrix or stacked experts, on both code paths (AVX-512 and portable) and, for bf16 x against
+bf16 weights, on AMX tiles where the CPU has them (`HORIZON_AMX=0` turns that off); the compiled decode
 step's graph pass routes batched projections to it (and leaves one-row and large products alone); the dense
 experts' sync-free form built on it equals the eager dispatch."""
 
 import os
+import subprocess
+import sys
 
 import pytest
 import torch
@@ -13,7 +16,14 @@ from torch import nn
 import horizon.quant.kernels as kernels
 from horizon.engine.runner import cpu_options
 from horizon.model.moe import Experts
-from horizon.quant.kernels import FUSED_ONE_ROW_MAX, kernel_available, rows_matmul, rows_matmul_reference
+from horizon.quant.kernels import (
+    FUSED_ONE_ROW_MAX,
+    few_rows,
+    has_amx,
+    kernel_available,
+    rows_matmul,
+    rows_matmul_reference,
+)
 from tests.conftest import rows_matmul_calls
 
 DISABLED = os.environ.get("HORIZON_KERNELS", "1").strip() == "0"
@@ -120,6 +130,57 @@ def test_bf16_activations_are_taken_exactly_and_empty_shapes_work():
     assert torch.equal(rows_matmul(torch.randn(2, 0), torch.randn(5, 0)), torch.zeros(2, 5))
 
 
+def require_amx():
+    assert kernel_available()
+    if not has_amx():
+        pytest.skip("no AMX here (the CPU lacks AMX-BF16, the OS refused its tile state, or HORIZON_AMX=0)")
+
+
+@pytest.mark.parametrize("M,N,K", [(8, 64, 64), (16, 1024, 512), (17, 48, 96), (40, 80, 512), (64, 32, 2048),
+                                   (9, 40, 48), (12, 20, 64), (3, 64, 64)])
+def test_bf16_x_against_bf16_weights_on_amx_equals_the_reference(M, N, K):
+    # AMX takes 8 rows of x or more, K a multiple of 32 and N of 16: 1-4 weight tiles a pass (N 48, 80: 3, and 5
+    # split over the threads), x in chunks of 16 rows (M 17, 40, 64: 2-4 chunks); K 48, N 20 and 3 rows go to
+    # the AVX-512 path
+    require_amx()
+    gen = torch.Generator().manual_seed(5)
+    x, w = torch.randn(M, K, generator=gen).bfloat16(), weights((N, K), torch.bfloat16)
+    got = kernel(x, w, None, False)
+    assert got.dtype == torch.float32 and got.shape == (M, N)
+    assert_matches(got, x.float() @ w.float().T)
+    assert_matches(got, kernel(x, w, None, True))  # the portable path's sums
+    # a row's sums never depend on the batch around it, bit for bit, while the batch keeps it on AMX (8+ rows):
+    # its last 8 rows alone, each at another column of another chunk
+    if M >= 8:
+        assert torch.equal(kernel(x[-8:].clone(), w, None, False), got[-8:])
+
+
+def test_bf16_experts_on_amx_group_rows_and_skip_unrouted_experts():
+    require_amx()
+    E, N, K, M = 6, 48, 96, 45
+    gen = torch.Generator().manual_seed(6)
+    w = weights((E, N, K), torch.bfloat16)
+    w[E - 1] = float("nan")  # never routed: never read
+    x = torch.randn(M, K, generator=gen).bfloat16()
+    expert = torch.randint(0, E - 1, (M,), generator=gen)
+    expert[:20] = 2  # one group of two chunks of x
+    got = kernel(x, w, expert, False)
+    want = torch.stack([x[m].float() @ w[int(e)].float().T for m, e in enumerate(expert)])
+    assert torch.isfinite(got).all()
+    assert_matches(got, want)
+    assert torch.equal(kernel(x[12:24].clone(), w, expert[12:24].clone(), False), got[12:24])
+
+
+def test_horizon_amx_0_turns_the_amx_path_off():
+    require_amx()
+    code = ("import torch; from horizon.quant.kernels import has_amx, few_rows, kernel_available; "
+            "assert kernel_available(); print(has_amx(), few_rows(torch.bfloat16))")
+    out = subprocess.run([sys.executable, "-c", code], env={**os.environ, "HORIZON_AMX": "0"}, capture_output=True,
+                         text=True, timeout=300)
+    assert out.returncode == 0, out.stderr
+    assert out.stdout.split() == ["False", "8"]
+
+
 @pytest.mark.parametrize("args,message", [
     ((torch.randn(2, 8), torch.randn(4, 8).half(), None), "float32, bfloat16 or int8"),
     ((torch.randn(2, 8), torch.randn(4, 6), None), "x has 8 columns, w 6"),
@@ -186,5 +247,8 @@ def test_the_graph_pass_routes_few_row_projections_to_the_kernel():
     out, calls = compiled_calls(half, xb)  # bf16 weights, 4 rows: the kernel, rounded back to bf16
     assert calls == 2 and out.dtype == torch.bfloat16
     torch.testing.assert_close(out.float(), half(xb).float(), rtol=2e-2, atol=2e-2)
+    # bf16 past 8 rows: the kernel where it runs on AMX tiles (up to 64 rows), else oneDNN's matmul, faster there
     _, calls = compiled_calls(lambda a: F.linear(a, half[0].weight), torch.randn(16, 64).bfloat16())
-    assert calls == 0  # bf16 past 8 rows: oneDNN's matmul is faster there
+    assert calls == (1 if has_amx() else 0) and few_rows(torch.bfloat16) == (64 if has_amx() else 8)
+    _, calls = compiled_calls(lambda a: F.linear(a, half[0].weight), torch.randn(65, 64).bfloat16())
+    assert calls == 0

@@ -43,7 +43,7 @@ from torch._inductor.custom_graph_pass import CustomGraphPass
 
 from horizon.model import Batch, HorizonCache
 from horizon.model.options import ForwardOptions
-from horizon.quant.kernels import FEW_ROWS, FUSED_ONE_ROW_MAX
+from horizon.quant.kernels import FUSED_ONE_ROW_MAX, few_rows
 
 log = logging.getLogger(__name__)
 
@@ -108,7 +108,7 @@ class FewRowMatmuls(CustomGraphPass):
             if xv is None or wv is None or xv.device.type != "cpu" or wv.dim() != 2 or xv.dtype != wv.dtype:
                 continue
             rows = xv.shape[0]
-            if not isinstance(rows, int) or not 1 <= rows <= FEW_ROWS.get(xv.dtype, 0) or not wv.is_contiguous():
+            if not isinstance(rows, int) or not 1 <= rows <= few_rows(xv.dtype) or not wv.is_contiguous():
                 continue
             mode = detect_fake_mode([xv, wv])
             with graph.inserting_before(node), mode:
@@ -126,8 +126,11 @@ class FewRowMatmuls(CustomGraphPass):
     def uuid(self) -> str:
         from horizon.quant.kernels import _source_hash
 
-        # the compiled graphs cached by inductor depend on this pass and on the kernel it calls
-        return hashlib.sha256(inspect.getsource(FewRowMatmuls).encode() + _source_hash().encode()).hexdigest()
+        # the compiled graphs cached by inductor depend on this pass, on the kernel it calls, and on the row limits
+        # this CPU gets (few_rows: bf16 up to 64 rows with AMX, 8 without)
+        limits = repr([few_rows(dtype) for dtype in (torch.float32, torch.bfloat16, torch.int8)])
+        return hashlib.sha256(inspect.getsource(FewRowMatmuls).encode() + _source_hash().encode()
+                              + limits.encode()).hexdigest()
 
 
 @dataclass

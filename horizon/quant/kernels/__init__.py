@@ -53,7 +53,8 @@ log = logging.getLogger(__name__)
 # rows.cpp the few-rows matmul (`rows_matmul` below), argmax.cpp the greedy pick (`argmax_rows` below)
 SOURCES = tuple(Path(__file__).with_name(name) for name in ("mxfp4.cpp", "indexer.cpp", "topk.cpp", "attention.cpp",
                                                               "kda.cpp", "rows.cpp", "argmax.cpp"))
-HEADERS = (Path(__file__).with_name("grouping.h"),)  # hashed with the sources: a change rebuilds
+# hashed with the sources: a change rebuilds
+HEADERS = (Path(__file__).with_name("grouping.h"), Path(__file__).with_name("amx.h"))
 _lock = threading.Lock()
 _built: bool | None = None  # None: not tried yet in this process
 
@@ -188,6 +189,21 @@ def argmax_rows(logits: torch.Tensor) -> torch.Tensor:
 def has_avx512() -> bool:
     """Whether the kernel runs its AVX-512 path on this CPU (False when the kernel is unavailable)."""
     return kernel_available() and bool(torch.ops.horizon_kernels.has_avx512())
+
+
+def has_amx() -> bool:
+    """Whether the kernel's bf16 x bf16 path runs on AMX tiles here (the CPU has AMX-BF16 and Linux grants the
+    process its tile state)."""
+    return kernel_available() and bool(torch.ops.horizon_kernels.has_amx())
+
+
+def few_rows(dtype: torch.dtype) -> int:
+    """FEW_ROWS for weights of `dtype` on this CPU: bf16 up to 64 rows where the AMX path runs (bf16 activations
+    against bf16 weights, 16 x 1,024 x 512 in 52-58 us against oneDNN's ~83 and the FMA path's ~89 here; the
+    [32,768 x 512] LM head at 16 rows 1.4-1.7 ms against 2.7), 0 for a dtype the kernel does not take."""
+    if dtype == torch.bfloat16 and has_amx():
+        return 64
+    return FEW_ROWS.get(dtype, 0)
 
 
 def has_vnni() -> bool:
@@ -421,8 +437,8 @@ def rows_matmul_reference(x: torch.Tensor, w: torch.Tensor, expert: torch.Tensor
 # Most rows of x a projection sends to rows_matmul, by weight dtype, where the CPU kernels run (bench/rows.py,
 # 2 threads, cold weights): fp32 at 1-64 rows (one row only past FUSED_ONE_ROW_MAX, below; PyTorch's CPU
 # sgemm streams a cold fp32 matrix at 4-6 GB/s for 4-16 rows, the kernel at 10-18); bf16 up to 8, past which
-# oneDNN's bf16 matmul was faster on a Zen 4; int8 at 1-64, against aten._weight_int8pack_mm 1.1-1.6x at 2
-# rows, 1.3-1.8x at 8, 1.4-1.6x at 64 (a Xeon).
+# oneDNN's bf16 matmul was faster on a Zen 4 (with AMX, up to 64: `few_rows`); int8 at 1-64, against
+# aten._weight_int8pack_mm 1.1-1.6x at 2 rows, 1.3-1.8x at 8, 1.4-1.6x at 64 (a Xeon).
 FEW_ROWS = {torch.float32: 64, torch.bfloat16: 8, torch.int8: 64}
 # In a compiled graph, a one-row product (a batch-1 decode step) whose weight has at most this many rows and
 # columns stays inductor's multiply-and-sum loop, fused with the ops around it; a larger one (the LM head)
@@ -445,7 +461,8 @@ def rows_matmul(x: torch.Tensor, w: torch.Tensor, expert: torch.Tensor | None = 
     return rows_matmul_reference(x, w, expert)
 
 
-__all__ = ["FEW_ROWS", "FUSED_ONE_ROW_MAX", "cache_dir", "dequantize_activations", "expert_tiles", "has_avx512",
+__all__ = ["FEW_ROWS", "FUSED_ONE_ROW_MAX", "cache_dir", "dequantize_activations", "expert_tiles", "few_rows",
+           "has_amx", "has_avx512",
            "has_vnni", "kernel_available", "kernels_run_on", "mxfp4_expert_matmul", "mxfp4_expert_matmul_reference",
            "mxfp4_kernel_runs_on", "mxfp4_matmul", "quantize_activations", "round_activations", "rows_matmul",
            "rows_matmul_reference", "sort_by_expert"]

@@ -17,7 +17,9 @@
 //   registers (enough independent FMA chains to hide their latency), the weights widened to fp32 in
 //   registers (bf16: a 16-bit shift; int8: a sign extension and a convert; both exact);
 // - AVX-512 when the CPU has it and K is a multiple of 16, else portable C++ (the same sums in another
-//   order).
+//   order);
+// - bf16 x against bf16 weights on AMX tiles where the CPU has them (run_amx below): the FMA path widens
+//   every weight to fp32 and is bound by its FMAs from 8-16 rows of x on, AMX is not.
 
 #include <ATen/ATen.h>
 #include <ATen/Parallel.h>
@@ -29,6 +31,7 @@
 #include <cstring>
 #include <vector>
 
+#include "amx.h"
 #include "grouping.h"
 
 #if (defined(__GNUC__) || defined(__clang__)) && (defined(__x86_64__) || defined(__i386__))
@@ -302,6 +305,137 @@ void part_avx512(const Work<T>& p, int64_t n0, int64_t n1) {
 
 #endif
 
+#if HZ_HAS_AMX_CODE
+
+// bf16 x [M, K] against bf16 weights on AMX tiles: C^T = W x^T, 16 weight rows (an A tile, read straight
+// from W with a row stride of K) by 16 rows of x (a B tile, x's K pairs transposed once per call), so the
+// weights need no repacking. Products are exact and sums fp32, as in the FMA path (in another order);
+// denormal inputs count as zero (AMX flushes them; a bf16 below 2^-126 changes no sum at fp32's
+// precision unless every term is that small).
+constexpr int kAmxTiles = 4;  // 16-row weight tiles per pass: 4 accumulators, 2 A and 1 B tile registers
+// Fewer rows of x take the FMA path: at 1-4 rows both stream the weights at memory speed (bf16 [1024 | 32768 x
+// 512], 2 threads, cold, interleaved: within noise of each other), and a batch-1 step then never runs AMX code
+// (bench/decode.py measured its batch-1 steps 5.1 ms without AMX, 5.9 with the LM head on AMX; a core that runs
+// AMX may drop its clock for what follows)
+constexpr int64_t kAmxMinRows = 8;
+
+struct AmxWork {
+  const uint16_t* w;  // [E, N, K] bf16
+  int64_t N, K;
+  const uint32_t* b;  // x's B tiles: per group, per chunk of 16 rows, K / 32 tiles of 16 x 16 pairs
+  std::vector<int64_t> first_chunk;  // per group, its first chunk in b
+  const int64_t* row_of;
+  float* out;
+  const std::vector<hz::Group>* groups;
+  const uint16_t* row(int64_t e, int64_t n) const { return w + (e * N + n) * K; }
+};
+
+// The rows of x in group order, as B tiles: b[(chunk * K / 32 + t) * 256 + p * 16 + m] is the pair of
+// columns 32t + 2p, 32t + 2p + 1 of the chunk's row m (zero past a group's last row).
+void pack_b(const uint32_t* x, int64_t K, const hz::Grouping& grouping, std::vector<int64_t>& first_chunk,
+            hz::AlignedVector<uint32_t>& b) {
+  const int64_t nkt = K / 32, pairs = K / 2;
+  int64_t chunks = 0;
+  for (const hz::Group& g : grouping.groups) {
+    first_chunk.push_back(chunks);
+    chunks += (g.count + 15) / 16;
+  }
+  b.assign(chunks * nkt * 256, 0);
+  for (size_t gi = 0; gi < grouping.groups.size(); ++gi) {
+    const hz::Group& g = grouping.groups[gi];
+    for (int64_t i = 0; i < g.count; ++i) {
+      const uint32_t* src = x + grouping.row_of[g.start + i] * pairs;
+      uint32_t* dst = b.data() + (first_chunk[gi] + i / 16) * nkt * 256 + i % 16;
+      for (int64_t t = 0; t < nkt; ++t)
+        for (int p = 0; p < 16; ++p) dst[t * 256 + p * 16] = src[t * 16 + p];
+    }
+  }
+}
+
+// NT weight tiles (16 rows each, from w, stride K) against one chunk's B tiles; c: [NT][16 rows][16 of x].
+// `next`: next_rows weight rows the caller takes next (stride K), fetched a cache line a row per K step (the
+// tile loads alone leave memory idle between them: the products take too little time to cover a miss).
+template <int NT>
+HZ_AMX_TARGET void amx_tiles(const uint16_t* w, int64_t K, const uint32_t* b, float* c, const uint16_t* next,
+                             int64_t next_rows) {
+  _tile_zero(0);
+  if constexpr (NT > 1) _tile_zero(1);
+  if constexpr (NT > 2) _tile_zero(2);
+  if constexpr (NT > 3) _tile_zero(3);
+  const int64_t stride = K * 2;
+  for (int64_t t = 0; t < K / 32; ++t) {
+    _tile_loadd(6, b + t * 256, 64);
+    _tile_loadd(4, w + t * 32, stride);
+    _tile_dpbf16ps(0, 4, 6);
+    if constexpr (NT > 1) {
+      _tile_loadd(5, w + 16 * K + t * 32, stride);
+      _tile_dpbf16ps(1, 5, 6);
+    }
+    if constexpr (NT > 2) {
+      _tile_loadd(4, w + 32 * K + t * 32, stride);
+      _tile_dpbf16ps(2, 4, 6);
+    }
+    if constexpr (NT > 3) {
+      _tile_loadd(5, w + 48 * K + t * 32, stride);
+      _tile_dpbf16ps(3, 5, 6);
+    }
+    for (int64_t r = 0; r < next_rows; ++r)  // into L2: into L1, the fetches crowded out the tile loads
+      _mm_prefetch(reinterpret_cast<const char*>(next + r * K + t * 32), _MM_HINT_T1);
+  }
+  _tile_stored(0, c, 64);
+  if constexpr (NT > 1) _tile_stored(1, c + 256, 64);
+  if constexpr (NT > 2) _tile_stored(2, c + 512, 64);
+  if constexpr (NT > 3) _tile_stored(3, c + 768, 64);
+}
+
+// Weight tiles t0..t1 (16 rows each) of every group's expert.
+HZ_AMX_TARGET void part_amx(const AmxWork& p, int64_t t0, int64_t t1) {
+  using Fn = void (*)(const uint16_t*, int64_t, const uint32_t*, float*, const uint16_t*, int64_t);
+  static const Fn tiles[kAmxTiles] = {amx_tiles<1>, amx_tiles<2>, amx_tiles<3>, amx_tiles<4>};
+  alignas(64) float c[kAmxTiles * 256];
+  const int64_t nkt = p.K / 32;
+  hz::tiles_begin();
+  const std::vector<hz::Group>& groups = *p.groups;
+  for (size_t gi = 0; gi < groups.size(); ++gi) {
+    const hz::Group& g = groups[gi];
+    for (int64_t t = t0; t < t1; t += kAmxTiles) {
+      const int nt = static_cast<int>(std::min<int64_t>(kAmxTiles, t1 - t));
+      const int64_t n0 = t * 16;
+      // the rows after these: this expert's next tiles, else the next group's first ones in this range
+      const bool more = t + kAmxTiles < t1;
+      const uint16_t* next = more ? p.row(g.expert, n0 + 16 * kAmxTiles)
+                             : gi + 1 < groups.size() ? p.row(groups[gi + 1].expert, t0 * 16)
+                                                      : nullptr;
+      const int64_t next_rows =
+          next == nullptr ? 0 : 16 * std::min<int64_t>(kAmxTiles, more ? t1 - t - kAmxTiles : t1 - t0);
+      for (int64_t i0 = 0; i0 < g.count; i0 += 16) {
+        const uint32_t* b = p.b + (p.first_chunk[gi] + i0 / 16) * nkt * 256;
+        // the first chunk of x fetches ahead (the weights' later chunks find in cache)
+        tiles[nt - 1](p.row(g.expert, n0), p.K, b, c, next, i0 == 0 ? next_rows : 0);
+        const int64_t cnt = std::min<int64_t>(16, g.count - i0);
+        for (int64_t m = 0; m < cnt; ++m) {  // c holds x's rows as columns: each one a row of out
+          float* o = p.out + p.row_of[g.start + i0 + m] * p.N + n0;
+          for (int j = 0; j < nt; ++j)
+            for (int r = 0; r < 16; ++r) o[16 * j + r] = c[j * 256 + r * 16 + m];
+        }
+      }
+    }
+  }
+  hz::tiles_end();
+}
+
+void run_amx(const at::Tensor& w, const at::Tensor& x, const hz::Grouping& grouping, at::Tensor& out) {
+  const int64_t K = x.size(1), N = w.size(-2);
+  AmxWork p{reinterpret_cast<const uint16_t*>(w.data_ptr()), N, K, nullptr, {}, grouping.row_of.data(),
+            out.data_ptr<float>(), &grouping.groups};
+  hz::AlignedVector<uint32_t> b;
+  pack_b(reinterpret_cast<const uint32_t*>(x.data_ptr()), K, grouping, p.first_chunk, b);
+  p.b = b.data();
+  at::parallel_for(0, N / 16, 1, [&](int64_t t0, int64_t t1) { part_amx(p, t0, t1); });
+}
+
+#endif
+
 template <typename T>
 void run(const at::Tensor& w, const at::Tensor& x, const hz::Grouping& grouping, at::Tensor& out, bool avx512) {
   const int64_t M = x.size(0), K = x.size(1), N = w.size(-2);
@@ -352,10 +486,17 @@ at::Tensor rows_matmul(const at::Tensor& x_, const at::Tensor& w_, const c10::op
   at::Tensor out = at::empty({M, N}, x_.options().dtype(at::kFloat));
   if (M == 0 || N == 0) return out;
   if (K == 0) return out.zero_();
-  const at::Tensor x = x_.to(at::kFloat).contiguous();
   // one matrix: every row in one group, in order (no sort; a projection is called ~150 times a step)
   const hz::Grouping grouping = expert_ ? hz::group_rows(expert.data_ptr<int64_t>(), M, E, "rows_matmul")
                                         : hz::one_group(M);
+#if HZ_HAS_AMX_CODE
+  if (wt == at::kBFloat16 && x_.scalar_type() == at::kBFloat16 && !force_portable && M >= kAmxMinRows &&
+      K % 32 == 0 && N % 16 == 0 && hz::amx_usable()) {
+    run_amx(w, x_.contiguous(), grouping, out);
+    return out;
+  }
+#endif
+  const at::Tensor x = x_.to(at::kFloat).contiguous();
   const bool avx512 = !force_portable && K % 16 == 0 && rows_cpu_has_avx512();
   if (wt == at::kFloat) {
     run<float>(w, x, grouping, out, avx512);
@@ -369,8 +510,11 @@ at::Tensor rows_matmul(const at::Tensor& x_, const at::Tensor& w_, const c10::op
 
 }  // namespace
 
+static bool has_amx() { return hz::amx_usable(); }
+
 TORCH_LIBRARY_FRAGMENT(horizon_kernels, m) {
   m.def("rows_matmul(Tensor x, Tensor w, Tensor? expert=None, bool force_portable=False) -> Tensor");
+  m.def("has_amx() -> bool", &has_amx);
 }
 
 // A CPU kernel (not a composite one), so torch.compile can take the fake registered in Python
