@@ -199,8 +199,8 @@ def has_amx() -> bool:
 
 def few_rows(dtype: torch.dtype) -> int:
     """FEW_ROWS for weights of `dtype` on this CPU: bf16 up to 64 rows where the AMX path runs (bf16 activations
-    against bf16 weights, 16 x 1,024 x 512 in 52-58 us against oneDNN's ~83 and the FMA path's ~89 here; the
-    [32,768 x 512] LM head at 16 rows 1.4-1.7 ms against 2.7), 0 for a dtype the kernel does not take."""
+    against bf16 weights from 8 rows: 1.49-1.58x oneDNN's bf16 matmul at 16 rows of `small`'s shapes, cold
+    weights, 2 threads, bench/rows.py), 0 for a dtype the kernel does not take."""
     if dtype == torch.bfloat16 and has_amx():
         return 64
     return FEW_ROWS.get(dtype, 0)
