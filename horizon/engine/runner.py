@@ -43,7 +43,7 @@ from torch._inductor.custom_graph_pass import CustomGraphPass
 
 from horizon.model import Batch, HorizonCache
 from horizon.model.options import ForwardOptions
-from horizon.quant.kernels import FUSED_ONE_ROW_MAX, few_rows
+from horizon.quant.kernels import FEW_ROWS, FUSED_ONE_ROW_MAX, few_rows
 
 log = logging.getLogger(__name__)
 
@@ -128,7 +128,7 @@ class FewRowMatmuls(CustomGraphPass):
 
         # the compiled graphs cached by inductor depend on this pass, on the kernel it calls, and on the row limits
         # this CPU gets (few_rows: bf16 up to 64 rows with AMX, 8 without)
-        limits = repr([few_rows(dtype) for dtype in (torch.float32, torch.bfloat16, torch.int8)])
+        limits = repr([few_rows(dtype) for dtype in FEW_ROWS])
         return hashlib.sha256(inspect.getsource(FewRowMatmuls).encode() + _source_hash().encode()
                               + limits.encode()).hexdigest()
 

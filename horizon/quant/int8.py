@@ -15,7 +15,7 @@ torch.round) clamped to [-127, 127]; -128 is never written, so the grid is symme
 1 byte per weight plus 4 per row: ~1/4 of fp32's bytes, ~1/2 of bf16's.
 
 `Int8Linear` computes with the int8 matrix resident (the fp32 one is gone), on one of two fast paths:
-- up to FEW_ROWS[torch.int8] (64) rows where the CPU kernels run (decode): `horizon_kernels.rows_matmul`
+- up to few_rows(torch.int8) (64) rows where the CPU kernels run (decode): `horizon_kernels.rows_matmul`
   (rows.cpp: each int8 weight row read once for all rows, widened exactly, x in fp32, fp32 sums; in a
   compiled graph one row is a multiply-and-sum inductor fuses into one loop over the int8 bytes). These
   give the reference's numbers (`F.linear` on the dequantised matrix) up to the fp32 summation order.
@@ -51,7 +51,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from horizon.quant.kernels import FEW_ROWS, FUSED_ONE_ROW_MAX, kernels_run_on, rows_matmul
+from horizon.quant.kernels import FUSED_ONE_ROW_MAX, few_rows, kernels_run_on, rows_matmul
 from horizon.quant.layers import PackedLinear
 
 INT8_MAX = 127
@@ -176,7 +176,7 @@ class Int8Linear(PackedLinear):
             # the reference's numbers up to summation order. A larger weight (the LM head) streams faster
             # through rows_matmul, below
             y = (rows.float()[:, None, :] * self.weight_int8).sum(-1)
-        elif rows.shape[0] <= FEW_ROWS[torch.int8] and kernels_run_on(rows.device):
+        elif rows.shape[0] <= few_rows(torch.int8) and kernels_run_on(rows.device):
             # a few rows (decode): each int8 weight row read once for all of them, x in fp32 (rows.cpp)
             y = rows_matmul(rows, self.weight_int8)
         else:
