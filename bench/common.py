@@ -175,15 +175,16 @@ def build_ours(cfg: ModelConfig, dtype: str, seed: int, like: HorizonForCausalLM
     return model.eval()
 
 
-FORMATS = ("fp32", "bf16", "mxfp4", "mxfp4-bf16", "mxfp4-int8", "mxfp4-q8")
+FORMATS = ("fp32", "bf16", "mxfp4", "mxfp4-bf16", "mxfp4-int8", "mxfp4-q8", "mxfp4-bf16-q8")
 
 
 def build_ours_pair(cfg: ModelConfig, args) -> dict[str, HorizonForCausalLM]:
     """{"ours_fp32", "ours_bf16"}: the preset in float32, and the same weights rounded to bfloat16; with
     --formats also "ours_mxfp4" (the fp32 model's routed experts as MXFP4, the shipped format) and
     "ours_mxfp4_int8" (that, with every dense projection int8), "ours_mxfp4_q8" (MXFP4 experts that take int8
-    activations, `mxfp4_activations="int8"`) and "ours_mxfp4_bf16" (the bf16 model's routed experts as MXFP4:
-    what quantising the `small` preset as configured, in bf16, gives)."""
+    activations, `mxfp4_activations="int8"`), "ours_mxfp4_bf16" (the bf16 model's routed experts as MXFP4:
+    what quantising the `small` preset as configured, in bf16, gives) and "ours_mxfp4_bf16_q8" (that, with int8
+    activations into the experts)."""
     from horizon.quant import quantize_dense_int8, quantize_model, set_int8_activations
 
     formats = getattr(args, "formats", None) or (list(FORMATS) if hasattr(args, "formats") else ["fp32", "bf16"])
@@ -197,11 +198,11 @@ def build_ours_pair(cfg: ModelConfig, args) -> dict[str, HorizonForCausalLM]:
         elif name == "bf16":
             ours["ours_bf16"] = build_ours(cfg, "bfloat16", args.seed, like=fp32)
         else:
-            dtype = "bfloat16" if name == "mxfp4-bf16" else "float32"
+            dtype = "bfloat16" if name.startswith("mxfp4-bf16") else "float32"
             model = quantize_model(build_ours(cfg, dtype, args.seed, like=fp32))
             if name == "mxfp4-int8":
                 quantize_dense_int8(model)
-            if name == "mxfp4-q8":
+            if name.endswith("-q8"):
                 set_int8_activations(model)
             ours["ours_" + name.replace("-", "_")] = model
     return ours

@@ -56,8 +56,12 @@ from horizon.model import HorizonForCausalLM
 
 OPTIONS = ("repeats", "batches", "prompt", "new_tokens", "hf_attn", "glm5_hc_mult", "no_transformers", "formats",
            "enforce_eager")
-SUFFIX = {"ours_fp32": "", "ours_bf16": "_bf16", "ours_mxfp4": "_mxfp4", "ours_mxfp4_bf16": "_mxfp4_bf16",
-          "ours_mxfp4_int8": "_mxfp4_int8", "ours_mxfp4_q8": "_mxfp4_q8"}
+
+
+def suffix(name: str) -> str:
+    """The JSON keys' suffix for one of our models: "" for ours_fp32 (the issue's baseline), else "_<format>"."""
+    return "" if name == "ours_fp32" else name[len("ours"):]
+
 
 DIFFERENCES = {
     "common": [
@@ -163,12 +167,13 @@ def section(args, cfg: ModelConfig, ours: dict, tok, hf: dict, quiet: Quiet) -> 
     ratios = {}
     for family in hf_info:
         for b in args.batches:
-            for ours_name, suffix in ((n, SUFFIX[n]) for n in ours):
+            for ours_name in ours:
+                tail = suffix(ours_name)
                 theirs = table[family][str(b)]["tok_per_s"]
-                ratios[f"ratio_vs_{family}_batch{b}{suffix}"] = table[ours_name][str(b)]["tok_per_s"] / theirs
+                ratios[f"ratio_vs_{family}_batch{b}{tail}"] = table[ours_name][str(b)]["tok_per_s"] / theirs
                 paired = [o["tok_per_s"] / t["tok_per_s"] for o, t in zip(runs[ours_name][b], runs[family][b],
                                                                           strict=True)]
-                ratios[f"paired_ratios_vs_{family}_batch{b}{suffix}"] = [round(x, 3) for x in paired]
+                ratios[f"paired_ratios_vs_{family}_batch{b}{tail}"] = [round(x, 3) for x in paired]
     bw = gemv_bandwidth(torch.float32)  # memory bandwidth a weight-streaming matrix-vector product reaches
     floors = {}
     for name, model in ours.items():
