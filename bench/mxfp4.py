@@ -14,12 +14,14 @@ Prints one JSON object per measurement and a summary: byte ratios are MXFP4 / bf
 decode_speedup is bf16 time / MXFP4 time (> 1: MXFP4 decodes faster). The logits error of int8 activations
 (`set_int8_activations`, against the same MXFP4 model with fp32 activations) is reported beside.
 
---kernel measures the fused kernel alone instead: `mxfp4_expert_matmul` with fp32 against int8
-activations on the preset's expert shapes (gate_up and down), with the rows a step of 1, 4, 16 and 64
-sequences routes (tokens x experts per token, each token to distinct experts, as the router picks them)
-and of 256 tokens (a prefill chunk), weights cycled through copies larger than the last-level cache
-(cold, as in a step), rounds interleaved, medians; speedup = fp32 time / int8 time, and the packed bytes
-of the experts a call touches per second against a cold read measured in the same run (the limit).
+--kernel measures the fused kernel alone instead: `mxfp4_expert_matmul` with fp32 against int8 activations,
+and against bf16 ones (x rounded to bf16, as a bf16 model passes it: the AMX path where the CPU has it, from 3
+rows an expert; `bf16_path` says which ran), on the preset's expert shapes (gate_up and down), with the rows a
+step of 1, 4, 16 and 64 sequences routes (tokens x experts per token, each token to distinct experts, as the
+router picks them) and of 256 tokens (a prefill chunk), weights cycled through copies larger than the
+last-level cache (cold, as in a step), rounds interleaved, medians; speedup = fp32 time / int8 time
+(speedup_bf16: fp32 time / bf16 time), and the packed bytes of the experts a call touches per second against
+a cold read measured in the same run (the limit).
 
     python bench/mxfp4.py [--preset small] [--prompt 64] [--decode-steps 16] [--repeats 5] [--attention]
                           [--threads N]
@@ -164,8 +166,8 @@ def call_us(op, x: torch.Tensor, copies: list, ids: list, q8: bool, calls: int) 
 
 
 def kernel_bench(cfg: ModelConfig, preset: str, repeats: int, seed: int) -> None:
-    """fp32 against int8 activations in the fused kernel (the module docstring's --kernel)."""
-    from horizon.quant.kernels import has_vnni, kernel_available
+    """fp32 against int8 and bf16 activations in the fused kernel (the module docstring's --kernel)."""
+    from horizon.quant.kernels import has_amx, has_vnni, kernel_available
 
     if not kernel_available():
         raise SystemExit("bench/mxfp4.py --kernel: the C++ kernel did not build (see the warning above)")
@@ -183,24 +185,30 @@ def kernel_bench(cfg: ModelConfig, preset: str, repeats: int, seed: int) -> None
         for tokens in (1, 4, 16, 64, 256):  # a decode step of that many sequences (256: a prefill chunk)
             rows = tokens * k  # each token's row goes to k distinct experts
             x = torch.randn(rows, K, generator=gen)
+            inputs = {"fp32": (x, False), "int8": (x, True), "bf16": (x.bfloat16().float(), False)}
             ids = [torch.stack([torch.randperm(E, generator=gen)[:k] for _ in range(tokens)]).flatten()
                    for _ in range(len(copies))]
             touched = statistics.mean(len(i.unique()) for i in ids) * N * (K // 32) * 17  # packed bytes read
             calls = max(8, min(200, 4000 // rows))
-            fp32, int8 = [], []
+            times = {name: [] for name in inputs}
             for r in range(repeats):
-                for q8 in ((False, True) if r % 2 == 0 else (True, False)):
-                    (int8 if q8 else fp32).append(call_us(op, x, copies, ids, q8, calls))
-            a, b = statistics.median(fp32), statistics.median(int8)
+                for form in list(inputs)[r % 3:] + list(inputs)[:r % 3]:  # each form first in turn
+                    times[form].append(call_us(op, inputs[form][0], copies, ids, inputs[form][1], calls))
+            a, b, c = (statistics.median(times[form]) for form in inputs)
             results.append({"matrix": name, "N": N, "K": K, "experts": E, "tokens": tokens, "rows": rows,
-                            "fp32_us": round(a, 1), "int8_us": round(b, 1), "speedup": round(a / b, 3),
+                            "fp32_us": round(a, 1), "int8_us": round(b, 1), "bf16_us": round(c, 1),
+                            "speedup": round(a / b, 3), "speedup_bf16": round(a / c, 3),
                             "weight_GBps_fp32": round(touched / a / 1e3, 2),
                             "weight_GBps_int8": round(touched / b / 1e3, 2),
+                            "weight_GBps_bf16": round(touched / c / 1e3, 2),
                             "int8_fraction_of_read_bandwidth": round(touched / b / 1e3 / read, 3),
-                            "paired": [round(x / y, 3) for x, y in zip(fp32, int8, strict=True)]})
+                            "paired": [round(x / y, 3) for x, y in zip(times["fp32"], times["int8"], strict=True)],
+                            "paired_bf16": [round(x / y, 3)
+                                            for x, y in zip(times["fp32"], times["bf16"], strict=True)]})
             print(json.dumps(results[-1]), flush=True)
     print(json.dumps({"bench": "mxfp4-kernel", "preset": preset,
-                      "vnni": has_vnni(), "threads": torch.get_num_threads(), "torch": torch.__version__,
+                      "vnni": has_vnni(), "bf16_path": "amx" if has_amx() else "fma",
+                      "threads": torch.get_num_threads(), "torch": torch.__version__,
                       "repeats": repeats, "read_GBps": round(read, 2), "results": results}))
 
 

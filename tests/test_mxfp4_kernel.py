@@ -1,5 +1,6 @@
-"""The fused MXFP4 kernel (horizon.quant.kernels): it computes what dequantise-then-matmul computes, on both
-of its code paths (AVX-512 and portable), for every routing pattern and edge case of the format; the MXFP4
+"""The fused MXFP4 kernel (horizon.quant.kernels): it computes what dequantise-then-matmul computes, on its code
+paths (AVX-512, portable, and AMX tiles for bf16 activations), for every routing pattern and edge case of the
+format; the MXFP4
 modules built on it match their reference paths; torch.compile sees it as one opaque op; and a missing or
 disabled kernel falls back to the reference with one warning."""
 
@@ -153,6 +154,63 @@ def test_the_two_paths_agree_and_bad_input_is_refused():
     mxfp4_expert_matmul(narrow, blocks, scales, expert).sum().backward()  # the backward takes it too
     assert_matches(narrow.grad, dequantize(blocks, scales, torch.float32)[..., :150][expert].sum(1))
     assert mxfp4_expert_matmul(x[:0], blocks, scales, expert[:0]).shape == (0, 33)
+
+
+def require_amx():
+    assert kernel_available()
+    if not kernels.has_amx():
+        pytest.skip("no AMX here (the CPU lacks AMX-BF16, the OS refused its tile state, or HORIZON_AMX=0)")
+
+
+def bf16_rows(M, K, seed):
+    """x whose every value is a bf16 (as a bf16 model passes it, widened to fp32): the AMX path's input."""
+    return torch.randn(M, K, generator=torch.Generator().manual_seed(seed)).bfloat16().float()
+
+
+@pytest.mark.parametrize("E, N, K, rows", [
+    (4, 64, 128, 3),     # the fewest rows an expert takes AMX with: one chunk of x, the decode-and-multiply ring
+    (3, 48, 64, 5),      # 3 weight tiles: a panel of 2 and one of 1; one pair of blocks (the ring spans panels)
+    (4, 1024, 512, 16),  # `small`'s gate_up, a whole chunk
+    (2, 96, 100, 17),    # two chunks (prefill form, both accumulator pairs); K padded to 128
+    (3, 32, 256, 40),    # three chunks: a pair, then one
+])
+def test_bf16_activations_on_amx_equal_the_reference(E, N, K, rows):
+    require_amx()
+    blocks, scales = packed(E, N, K, seed=rows)
+    M = E * rows + 2
+    x = bf16_rows(M, K, rows)
+    expert = torch.cat([torch.arange(E).repeat_interleave(rows), torch.tensor([0, E - 1])])  # E - 1: rows + 1
+    perm = torch.randperm(M, generator=torch.Generator().manual_seed(0))
+    x, expert = x[perm], expert[perm]
+    got = kernel(x, blocks, scales, expert, False)
+    assert_matches(got, mxfp4_expert_matmul_reference(x, blocks, scales, expert))
+    assert_matches(got, kernel(x, blocks, scales, expert, True))
+    # a row's sums do not depend on the chunk or column the batch puts it in, while its expert stays on AMX
+    keep = (expert == 0).nonzero().flatten()[:3]
+    assert torch.equal(kernel(x[keep].clone(), blocks, scales, expert[keep].clone(), False), got[keep])
+
+
+def test_amx_takes_subnormal_blocks_exactly_and_nan_scales_as_nan():
+    """Blocks at scale bytes 0 and 1 with nonzero values decode to bf16 subnormals, which AMX flushes: their panel
+    is computed exactly instead (the others stay on tiles). All-zero blocks decode to exact zeros either way."""
+    require_amx()
+    E, N, K = 2, 64, 64
+    blocks, scales = packed(E, N, K)
+    scales[0, 40:44] = 0  # rows 40-43 of expert 0 (its second panel of 32 rows)
+    scales[0, 44, 1] = 1
+    blocks[1, 5] = 0  # an all-zero row at scale 0 in expert 1: stays on AMX
+    scales[1, 5] = 0
+    scales[1, 20, 0] = 0xFF  # NaN
+    x = torch.ones(6, K)
+    expert = torch.tensor([0, 0, 0, 1, 1, 1])
+    got = kernel(x, blocks, scales, expert, False)
+    exact = (dequantize(blocks, scales, torch.float32, K).double().sum(-1)).float()[expert]
+    nan = exact.isnan()
+    assert nan[3:, 20].all() and nan.sum() == 3 and torch.equal(got.isnan(), nan)
+    assert (exact[:3, 40:44] != 0).all() and exact[:3, 40:44].abs().max() < 1e-36  # subnormal sums
+    torch.testing.assert_close(got[:3, 32:], exact[:3, 32:], rtol=1e-6, atol=0)  # the exact panel, to the bit
+    assert_matches(got, exact)
+    assert torch.equal(got[3:, 5], torch.zeros(3))
 
 
 def random_experts(E=8, d=64, f=48, seed=0) -> tuple[Experts, MXFP4Experts]:

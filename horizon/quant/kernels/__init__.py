@@ -192,8 +192,9 @@ def has_avx512() -> bool:
 
 
 def has_amx() -> bool:
-    """Whether the kernel's bf16 x bf16 path runs on AMX tiles here (the CPU has AMX-BF16 and Linux grants the
-    process its tile state)."""
+    """Whether the kernels' AMX paths run here (the CPU has AMX-BF16, Linux grants the process its tile state, and
+    HORIZON_AMX is not 0): rows_matmul's bf16 x bf16 products, and mxfp4_expert_matmul's for activations that are
+    all bf16 (3 or more rows an expert)."""
     return kernel_available() and bool(torch.ops.horizon_kernels.has_amx())
 
 

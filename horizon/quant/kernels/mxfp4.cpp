@@ -21,6 +21,8 @@
 //   blocked 4x4 microkernel, so the decode cost stays once per weight while the FMAs dominate.
 // - Parallel over output rows N (at::parallel_for): every chunk does the same work for every expert,
 //   which balances however the tokens are routed.
+// - Rows of x that are all bf16 (a bf16 model's), 3 or more to an expert, on AMX tiles where the CPU has them
+//   (the AMX path below; HORIZON_AMX=0 turns it off).
 // - The AVX-512 functions carry __attribute__((target(...))) so the file builds with no -march flag;
 //   the choice is made at run time (__builtin_cpu_supports), with a portable C++ path otherwise.
 //
@@ -50,6 +52,7 @@
 #include <cstring>
 #include <vector>
 
+#include "amx.h"
 #include "grouping.h"
 
 #if (defined(__GNUC__) || defined(__clang__)) && (defined(__x86_64__) || defined(__i386__))
@@ -111,6 +114,9 @@ struct Problem {
   const uint8_t* scales;   // [E, N, nb]
   int64_t N, nb, Kp;       // Kp = nb * 32
   const float* xg;         // [M, Kp]: x's rows in group order, de-interleaved per block, zero-padded
+                           // (the rows of groups that the AMX path takes are left out)
+  const float* x;          // [M, K]: x itself (its rows in the caller's order)
+  int64_t K;
   const int64_t* row_of;   // [M]: grouped position -> row of out
   float* out;              // [M, N]
   const std::vector<Group>* groups;
@@ -308,18 +314,23 @@ HZ_AVX512 void split_block_avx512(const float* src, float* dst) {
   _mm512_store_ps(dst + 16, _mm512_permutex2var_ps(a, odd, b));
 }
 
-void rows_avx512(const Problem& p, int64_t n0, int64_t n1) {
-  // output rows per decoded tile: a multiple of 4 that keeps the buffer near kTileBytes
-  const int64_t tile = std::max<int64_t>(4, (kTileBytes / (4 * p.Kp)) / 4 * 4);
-  std::vector<float> buf;
-  for (const Group& g : *p.groups) {
-    if (g.count <= kFusedMaxRows) {
-      kFused[g.count - 1](p, g, n0, n1);
-    } else {
-      if (buf.empty()) buf.resize(tile * p.Kp);
-      buffered_group(p, g, n0, n1, buf.data(), tile);
-    }
+// Output rows per decoded tile of the buffered path: a multiple of 4 that keeps the buffer near kTileBytes.
+int64_t buffer_tile(const Problem& p) { return std::max<int64_t>(4, (kTileBytes / (4 * p.Kp)) / 4 * 4); }
+
+// Output rows n0..n1-1 of group g on the FMA path: fused for a few rows, buffered for more (buf sized on first use).
+void group_avx512(const Problem& p, const Group& g, int64_t n0, int64_t n1, std::vector<float>& buf, int64_t tile) {
+  if (g.count <= kFusedMaxRows) {
+    kFused[g.count - 1](p, g, n0, n1);
+  } else {
+    if (buf.empty()) buf.resize(tile * p.Kp);
+    buffered_group(p, g, n0, n1, buf.data(), tile);
   }
+}
+
+void rows_avx512(const Problem& p, int64_t n0, int64_t n1) {
+  const int64_t tile = buffer_tile(p);
+  std::vector<float> buf;
+  for (const Group& g : *p.groups) group_avx512(p, g, n0, n1, buf, tile);
 }
 
 #else
@@ -327,6 +338,330 @@ void rows_avx512(const Problem& p, int64_t n0, int64_t n1) {
 bool cpu_has_avx512() { return false; }
 void rows_avx512(const Problem& p, int64_t n0, int64_t n1) { rows_portable(p, n0, n1); }
 void split_block_avx512(const float*, float*) {}
+
+#endif
+
+// ---------------------------------------------------------------------------------------------------
+// AMX path: x whose every value is a bf16 (what a bf16 model passes, widened to fp32) against weights decoded
+// to bf16, on AMX tiles. E2M1 times a power of two has 2 significant bits, so bf16 holds every decoded weight
+// exactly (0xFF is NaN); each product is exact and the sums are fp32, as on the FMA path (in another order).
+// Why: the FMA path's cost grows with the rows an expert gets (2 FMAs per 32 weights per row of x, after the
+// decode); here a 16 x 32 tile of weights is decoded once (~2.5 cycles a block of 32, measured standalone: one
+// byte widening, a table insert and two `vpermw` per two blocks) and one `tdpbf16ps` multiplies it with up to
+// 16 rows of x. The tile product costs ~1 cycle a block whatever the rows, so at 1-2 rows an expert (most of a
+// 16-sequence decode step) the FMA path is as fast or faster; from 3 rows on, and in prefill, AMX is faster
+// (kAmxMinGroupRows; docs/benchmarks.md has the measurements).
+// Layout: C^T = W x^T, as rows.cpp. For each pair of blocks q, k-tile 2q holds the even elements (low
+// nibbles) of blocks 2q and 2q+1 and k-tile 2q+1 their odd ones, so a decoded pair needs no shuffle; x's B
+// tiles follow that order (pack_b_mx).
+// Blocks with scale byte 0 or 1 and any nonzero nibble decode to bf16 subnormals, which AMX flushes to zero:
+// a panel holding one is computed by exact_rows instead (scalar; weights of ~1e-38 do not occur in trained
+// models, but the format allows them). All-zero blocks, the usual scale-0 ones, decode to exact zeros. Values of x
+// below 2^-126 count as zero, as in rows.cpp's AMX path (they change no sum at fp32's precision unless every
+// term is that small).
+
+#if HZ_HAS_AMX_CODE
+
+constexpr int kAmxPanelTiles = 2;  // 16-row weight tiles decoded per panel: two accumulators per chunk of x
+// The rows an expert needs for its products to go to AMX. `small`'s gate_up, 4 experts with R rows each, weights
+// in cache, 2 threads (us, AMX / FMA path): R = 2: 67 / 66, 3: 69 / 91, 4: 72 / 112, 8: 75 / 220, 32: 194 / 685.
+constexpr int64_t kAmxMinGroupRows = 3;
+
+// For every scale byte, the 16 E2M1 values times its scale as bf16: the fp32 products' top halves (their low 16
+// bits are zero). 8 KB.
+struct ScaledFP4Bf16 {
+  alignas(64) uint16_t v[256][16];
+  ScaledFP4Bf16() {
+    const ScaledFP4& f = scaled_fp4();
+    for (int s = 0; s < 256; ++s)
+      for (int i = 0; i < 16; ++i) {
+        uint32_t bits;
+        std::memcpy(&bits, &f.v[s][i], sizeof(bits));
+        v[s][i] = static_cast<uint16_t>(bits >> 16);
+      }
+  }
+};
+
+const ScaledFP4Bf16& scaled_fp4_bf16() {
+  static const ScaledFP4Bf16 tables;
+  return tables;
+}
+
+// Whether every value of x [n] is a bf16 (its fp32 bits end in 16 zeros).
+HZ_AVX512 bool all_bf16(const float* x, int64_t n) {
+  const __m512i low = _mm512_set1_epi32(0xFFFF);
+  __m512i any = _mm512_setzero_si512();
+  int64_t i = 0;
+  for (; i + 16 <= n; i += 16) any = _mm512_or_si512(any, _mm512_and_si512(_mm512_loadu_si512(x + i), low));
+  uint32_t tail = 0;
+  for (; i < n; ++i) {
+    uint32_t bits;
+    std::memcpy(&bits, x + i, sizeof(bits));
+    tail |= bits & 0xFFFF;
+  }
+  return tail == 0 && _mm512_test_epi32_mask(any, any) == 0;
+}
+
+// x's rows of the AMX groups as B tiles, in the decoded k-tiles' order: for chunk c of 16 rows of group gi,
+// b[((first_chunk[gi] + c) * nb + t) * 256 + p * 16 + m] holds columns 2p and 2p + 1 of k-tile t for the
+// chunk's row m (zero past K and past the group's last row). Column j of k-tile 2q + h is element
+// 2 (j % 16) + h of block 2q + j / 16.
+void pack_b_mx(const Problem& p, const hz::Grouping& grouping, const std::vector<char>& on_amx,
+               std::vector<int64_t>& first_chunk, hz::AlignedVector<uint32_t>& b) {
+  const int64_t nb = p.nb, K = p.K;
+  int64_t chunks = 0;
+  first_chunk.assign(grouping.groups.size(), -1);
+  for (size_t gi = 0; gi < grouping.groups.size(); ++gi) {
+    if (!on_amx[gi]) continue;
+    first_chunk[gi] = chunks;
+    chunks += (grouping.groups[gi].count + 15) / 16;
+  }
+  b.assign(chunks * nb * 256, 0);
+  // column j of a k-tile of parity h -> its offset in the pair of blocks
+  int64_t offset[2][32];
+  for (int h = 0; h < 2; ++h)
+    for (int j = 0; j < 32; ++j) offset[h][j] = 32 * (j / 16) + 2 * (j % 16) + h;
+  std::vector<std::pair<int64_t, int64_t>> rows;  // (grouped row, its slot in b)
+  for (size_t gi = 0; gi < grouping.groups.size(); ++gi) {
+    if (!on_amx[gi]) continue;
+    const hz::Group& g = grouping.groups[gi];
+    for (int64_t i = 0; i < g.count; ++i) rows.emplace_back(g.start + i, (first_chunk[gi] + i / 16) * nb * 256 + i % 16);
+  }
+  at::parallel_for(0, static_cast<int64_t>(rows.size()), 16, [&](int64_t r0, int64_t r1) {
+    for (int64_t r = r0; r < r1; ++r) {
+      const float* src = p.x + grouping.row_of[rows[r].first] * K;
+      uint32_t* dst = b.data() + rows[r].second;
+      for (int64_t t = 0; t < nb; ++t) {
+        const int64_t base = 64 * (t / 2);
+        for (int q = 0; q < 16; ++q) {
+          uint32_t pair = 0;
+          for (int u = 0; u < 2; ++u) {
+            const int64_t k = base + offset[t % 2][2 * q + u];
+            uint32_t bits = 0;
+            if (k < K) std::memcpy(&bits, src + k, sizeof(bits));
+            pair |= (bits >> 16) << (16 * u);
+          }
+          dst[t * 256 + q * 16] = pair;
+        }
+      }
+    }
+  });
+}
+
+// Whether rows [n, n + rows) of expert e hold a block that decodes to bf16 subnormals (scale byte 0 or 1 with a
+// nonzero nibble); their scale bytes are contiguous.
+HZ_AVX512 bool has_subnormal_blocks(const Problem& p, int64_t e, int64_t n, int64_t rows) {
+  const uint8_t* s = p.scl(e, n);
+  const int64_t count = rows * p.nb;
+  const __m512i two = _mm512_set1_epi8(2);
+  for (int64_t i = 0; i < count; i += 64) {
+    const __mmask64 in = count - i >= 64 ? ~0ULL : (~0ULL) >> (64 - (count - i));
+    __mmask64 small = _mm512_mask_cmplt_epu8_mask(in, _mm512_maskz_loadu_epi8(in, s + i), two);
+    while (small) {
+      const int64_t blk = i + __builtin_ctzll(small);
+      small &= small - 1;
+      const uint8_t* bytes = p.blk(e, n) + blk * kBlockBytes;
+      for (int j = 0; j < kBlockBytes; ++j)
+        if (bytes[j] & 0x77) return true;  // a nonzero magnitude (bit 3 of a nibble is its sign)
+    }
+  }
+  return false;
+}
+
+// Rows n0..n1-1 of group g against x's rows, one scalar dot product each over the weights decoded to fp32 in
+// natural order: the exact fallback for panels with subnormal blocks.
+void exact_rows(const Problem& p, const Group& g, int64_t n0, int64_t n1) {
+  const float* st = scale_table();
+  std::vector<float> w(p.Kp);
+  for (int64_t n = n0; n < n1; ++n) {
+    const uint8_t* bytes = p.blk(g.expert, n);
+    const uint8_t* sc = p.scl(g.expert, n);
+    for (int64_t b = 0; b < p.nb; ++b)
+      for (int j = 0; j < 16; ++j) {
+        const uint8_t byte = bytes[b * kBlockBytes + j];
+        w[b * kBlock + 2 * j] = kFP4[byte & 15] * st[sc[b]];
+        w[b * kBlock + 2 * j + 1] = kFP4[byte >> 4] * st[sc[b]];
+      }
+    for (int64_t i = 0; i < g.count; ++i) {
+      const int64_t row = p.row_of[g.start + i];
+      const float* xr = p.x + row * p.K;
+      float acc = 0.0f;
+      for (int64_t k = 0; k < p.K; ++k) acc += w[k] * xr[k];
+      p.out[row * p.N + n] = acc;
+    }
+  }
+}
+
+// Pair of blocks q of `rows` consecutive weight rows (row strides nb blocks / nb bytes) -> two k-tiles of A tiles:
+// row i's even elements to lo + (i / 16) * 512 + (i % 16) * 32, its odd ones to the same place in hi. One
+// `vpmovzxbw` widens the pair's 32 bytes, and one `vpermw` per half looks the nibbles up in a 32-entry table
+// holding the two blocks' scaled values (the second block's indices + 16).
+HZ_AMX_TARGET inline void decode_pair(const uint8_t* blocks, const uint8_t* scales, int64_t nb, int64_t q, int64_t rows,
+                                      uint16_t* lo, uint16_t* hi, const uint8_t* ahead) {
+  const ScaledFP4Bf16& tables = scaled_fp4_bf16();
+  const __m512i low4 = _mm512_set1_epi16(0x0F);
+  const __m512i second = _mm512_mask_set1_epi16(_mm512_setzero_si512(), 0xFFFF0000u, 0x10);  // lanes 16-31: +16
+  for (int64_t i = 0; i < rows; ++i) {
+    if (ahead != nullptr) _mm_prefetch(reinterpret_cast<const char*>(ahead + i * nb * kBlockBytes), _MM_HINT_T0);
+    const uint8_t* s = scales + i * nb + 2 * q;
+    const __m512i v = _mm512_cvtepu8_epi16(
+        _mm256_loadu_si256(reinterpret_cast<const __m256i*>(blocks + (i * nb + 2 * q) * kBlockBytes)));
+    const __m512i table = _mm512_inserti64x4(
+        _mm512_castsi256_si512(_mm256_load_si256(reinterpret_cast<const __m256i*>(tables.v[s[0]]))),
+        _mm256_load_si256(reinterpret_cast<const __m256i*>(tables.v[s[1]])), 1);
+    const int64_t at = (i / 16) * 512 + (i % 16) * 32;
+    _mm512_store_si512(lo + at, _mm512_permutexvar_epi16(_mm512_ternarylogic_epi32(v, low4, second, 0xEA), table));
+    _mm512_store_si512(hi + at, _mm512_permutexvar_epi16(_mm512_or_si512(_mm512_srli_epi16(v, 4), second), table));
+  }
+}
+
+struct AmxX {
+  const uint32_t* b;                  // pack_b_mx
+  const std::vector<int64_t>* first_chunk;
+};
+
+constexpr int64_t kAmxLag = 2;  // pairs of k-tiles the products run behind the decoding (one-chunk groups)
+
+// Weight tiles t0..t1 (16 rows each) of group gi's expert against its rows of x, kAmxPanelTiles tiles (a panel)
+// at a time, into two accumulators per chunk of 16 rows of x.
+// - One chunk (the decode steps): decoding and products stream through a ring of kAmxLag + 1 slots of one pair
+//   of k-tiles each; the products of a pair are issued kAmxLag pairs after it is decoded, between the decoding of
+//   the pairs that follow (a tile load right after the stores that wrote its data waits for them, and a decoded
+//   panel of 32 rows x 512 columns, twice over, did not fit L1: those forms ran 1.2-1.45x slower than the FMA
+//   path at 16 sequences).
+// - More chunks (prefill): the panel is decoded whole, then multiplied with every chunk.
+HZ_AMX_TARGET void amx_group(const Problem& p, const AmxX& ax, size_t gi, int64_t t0, int64_t t1, uint16_t* buf) {
+  const Group& g = (*p.groups)[gi];
+  const int64_t nkt = p.nb, npairs = p.nb / 2;  // k-tiles: two per pair of blocks
+  const uint32_t* bx = ax.b + (*ax.first_chunk)[gi] * nkt * 256;
+  const int64_t panels = (t1 - t0 + kAmxPanelTiles - 1) / kAmxPanelTiles;
+  auto tiles = [&](int64_t k) { return static_cast<int>(std::min<int64_t>(kAmxPanelTiles, t1 - t0 - k * kAmxPanelTiles)); };
+  auto first_row = [&](int64_t k) { return 16 * (t0 + k * kAmxPanelTiles); };
+  alignas(64) float c[kAmxPanelTiles * 256];
+  auto scatter = [&](int64_t k, int64_t i0) {  // c holds x's rows as columns: each one a row of out
+    const int64_t cnt = std::min<int64_t>(16, g.count - i0), n0 = first_row(k);
+    for (int64_t m = 0; m < cnt; ++m) {
+      float* o = p.out + p.row_of[g.start + i0 + m] * p.N + n0;
+      for (int j = 0; j < tiles(k); ++j)
+        for (int r = 0; r < 16; ++r) o[16 * j + r] = c[j * 256 + r * 16 + m];
+    }
+  };
+  // whether panel k goes to AMX; if not, its rows are computed here and now
+  auto usable = [&](int64_t k) {
+    if (!has_subnormal_blocks(p, g.expert, first_row(k), 16 * tiles(k))) return true;
+    exact_rows(p, g, first_row(k), first_row(k) + 16 * tiles(k));
+    return false;
+  };
+  // what decode_pair fetches for pair q of panel k, a cache line a row: the same line of the panel two ahead's
+  // rows (each line holds two pairs), with that panel's scale bytes at q = 0
+  auto ahead = [&](int64_t k, int64_t q) -> const uint8_t* {
+    if (k + 2 >= panels || (q * 2 * kBlockBytes) % 64 != 0) return nullptr;
+    const int64_t n = first_row(k + 2);
+    if (q == 0)
+      for (int64_t l = 0; l < 16 * tiles(k + 2) * p.nb; l += 64) _mm_prefetch(reinterpret_cast<const char*>(p.scl(g.expert, n) + l), _MM_HINT_T0);
+    return p.blk(g.expert, n) + q * 2 * kBlockBytes;
+  };
+  auto products = [&](const uint16_t* a, const uint32_t* b, int nt) {  // one k-tile: A tiles a (nt of them), B b
+    _tile_loadd(4, b, 64);
+    _tile_loadd(2, a, 64);
+    _tile_dpbf16ps(0, 2, 4);
+    if (nt > 1) {
+      _tile_loadd(3, a + 512, 64);
+      _tile_dpbf16ps(1, 3, 4);
+    }
+  };
+  const int64_t slot = 2 * kAmxPanelTiles * 512;  // one pair of k-tiles
+  if (g.count > 16) {
+    for (int64_t k = 0; k < panels; ++k) {
+      if (!usable(k)) continue;
+      const int nt = tiles(k);
+      for (int64_t q = 0; q < npairs; ++q) {
+        decode_pair(p.blk(g.expert, first_row(k)), p.scl(g.expert, first_row(k)), p.nb, q, 16 * nt, buf + q * slot,
+                    buf + q * slot + nt * 512, ahead(k, q));
+      }
+      // two chunks at a time: four independent accumulators (weight tile x chunk), each A and B tile loaded once
+      // for two products (one chunk at a time, prefill-sized calls ran 1.6x slower)
+      for (int64_t i0 = 0; i0 < g.count; i0 += 32) {
+        const bool two = i0 + 16 < g.count;
+        const uint32_t* b0 = bx + (i0 / 16) * nkt * 256;
+        _tile_zero(0);
+        _tile_zero(1);
+        _tile_zero(2);
+        _tile_zero(3);
+        for (int64_t t = 0; t < nkt; ++t) {
+          const uint16_t* a = buf + (t / 2) * slot + (t % 2) * nt * 512;
+          _tile_loadd(4, a, 64);
+          _tile_loadd(6, b0 + t * 256, 64);
+          _tile_dpbf16ps(0, 4, 6);
+          if (nt > 1) {
+            _tile_loadd(5, a + 512, 64);
+            _tile_dpbf16ps(1, 5, 6);
+          }
+          if (two) {
+            _tile_loadd(7, b0 + (nkt + t) * 256, 64);
+            _tile_dpbf16ps(2, 4, 7);
+            if (nt > 1) _tile_dpbf16ps(3, 5, 7);
+          }
+        }
+        _tile_stored(0, c, 64);
+        _tile_stored(1, c + 256, 64);
+        scatter(k, i0);
+        if (two) {
+          _tile_stored(2, c, 64);
+          _tile_stored(3, c + 256, 64);
+          scatter(k, i0 + 16);
+        }
+      }
+    }
+    return;
+  }
+  std::vector<char> ok(panels, 0);
+  const int64_t total = panels * npairs;
+  for (int64_t j = 0; j < total + kAmxLag; ++j) {
+    if (j < total) {  // decode pair q of panel k into slot j % (kAmxLag + 1)
+      const int64_t k = j / npairs, q = j % npairs;
+      if (q == 0) ok[k] = usable(k);
+      if (ok[k]) {
+        uint16_t* lo = buf + (j % (kAmxLag + 1)) * slot;
+        decode_pair(p.blk(g.expert, first_row(k)), p.scl(g.expert, first_row(k)), p.nb, q, 16 * tiles(k), lo,
+                    lo + tiles(k) * 512, ahead(k, q));
+      }
+    }
+    const int64_t jj = j - kAmxLag;
+    if (jj < 0 || jj >= total || !ok[jj / npairs]) continue;
+    const int64_t k = jj / npairs, q = jj % npairs;
+    const int nt = tiles(k);
+    if (q == 0) {
+      _tile_zero(0);
+      _tile_zero(1);
+    }
+    const uint16_t* lo = buf + (jj % (kAmxLag + 1)) * slot;
+    products(lo, bx + 2 * q * 256, nt);
+    products(lo + nt * 512, bx + (2 * q + 1) * 256, nt);
+    if (q == npairs - 1) {
+      _tile_stored(0, c, 64);
+      _tile_stored(1, c + 256, 64);
+      scatter(k, 0);
+    }
+  }
+}
+
+// Weight tiles t0..t1 of every group: the AMX groups on tiles, the others on the FMA path.
+HZ_AMX_TARGET void amx_rows(const Problem& p, const AmxX& ax, const std::vector<char>& on_amx, int64_t t0, int64_t t1) {
+  // a decoded panel (groups of more than 16 rows), or the ring of one-chunk groups, whichever is larger
+  hz::AlignedVector<uint16_t> decoded(std::max<int64_t>(p.nb / 2, kAmxLag + 1) * 2 * kAmxPanelTiles * 512);
+  const int64_t tile = buffer_tile(p);
+  std::vector<float> buf;
+  hz::tiles_begin();
+  for (size_t gi = 0; gi < p.groups->size(); ++gi) {
+    if (on_amx[gi]) {
+      amx_group(p, ax, gi, t0, t1, decoded.data());
+    } else {
+      group_avx512(p, (*p.groups)[gi], 16 * t0, 16 * t1, buf, tile);
+    }
+  }
+  hz::tiles_end();
+}
 
 #endif
 
@@ -679,12 +1014,30 @@ at::Tensor mxfp4_expert_matmul(const at::Tensor& x_, const at::Tensor& blocks_, 
   // rows); vectorised and split over the threads, ~12 us: what is left is moving x and its copy through
   // caches that the previous call's weights have just swept.
   const bool avx512 = !force_portable && cpu_has_avx512();
-  at::Tensor xg = at::empty({M, Kp}, x.options());  // 64-byte aligned rows (Kp is a multiple of 32)
   const float* xd = x.data_ptr<float>();
+  p.x = xd;
+  p.K = K;
+  // Which groups take the AMX path: x all bf16, and enough rows (kAmxMinGroupRows); their rows need no xg.
+  const std::vector<Group>& groups = grouping.groups;
+  std::vector<char> on_amx(groups.size(), 0), row_on_amx(M, 0);
+  bool amx = false;
+#if HZ_HAS_AMX_CODE
+  if (avx512 && N % 16 == 0 && nb % 2 == 0 && hz::amx_usable() &&
+      std::any_of(groups.begin(), groups.end(), [](const Group& g) { return g.count >= kAmxMinGroupRows; }) &&
+      all_bf16(xd, M * K)) {
+    amx = true;
+    for (size_t gi = 0; gi < groups.size(); ++gi) {
+      on_amx[gi] = groups[gi].count >= kAmxMinGroupRows;
+      if (on_amx[gi]) std::fill(row_on_amx.begin() + groups[gi].start, row_on_amx.begin() + groups[gi].start + groups[gi].count, 1);
+    }
+  }
+#endif
+  at::Tensor xg = at::empty({M, Kp}, x.options());  // 64-byte aligned rows (Kp is a multiple of 32)
   float* xgd = xg.data_ptr<float>();
   const int64_t whole = avx512 ? K / kBlock : 0;  // blocks without a tail past K
   at::parallel_for(0, M, 32, [&](int64_t i0, int64_t i1) {
     for (int64_t i = i0; i < i1; ++i) {
+      if (row_on_amx[i]) continue;
       const float* src = xd + row_of[i] * K;
       float* dst = xgd + i * Kp;
       for (int64_t b = 0; b < whole; ++b) split_block_avx512(src + b * kBlock, dst + b * kBlock);
@@ -699,6 +1052,16 @@ at::Tensor mxfp4_expert_matmul(const at::Tensor& x_, const at::Tensor& blocks_, 
   });
 
   p.xg = xgd;
+#if HZ_HAS_AMX_CODE
+  if (amx) {
+    std::vector<int64_t> first_chunk;
+    hz::AlignedVector<uint32_t> b;
+    pack_b_mx(p, grouping, on_amx, first_chunk, b);
+    const AmxX ax{b.data(), &first_chunk};
+    at::parallel_for(0, N / 16, 1, [&](int64_t t0, int64_t t1) { amx_rows(p, ax, on_amx, t0, t1); });
+    return out;
+  }
+#endif
   // grain: at least 16 output rows per thread, so a tiny matrix does not pay for waking every thread
   at::parallel_for(0, N, 16, [&](int64_t n0, int64_t n1) {
     if (avx512) {
