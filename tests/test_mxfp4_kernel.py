@@ -1,8 +1,7 @@
 """The fused MXFP4 kernel (horizon.quant.kernels): it computes what dequantise-then-matmul computes, on its code
 paths (AVX-512, portable, and AMX tiles for bf16 activations), for every routing pattern and edge case of the
-format; the MXFP4
-modules built on it match their reference paths; torch.compile sees it as one opaque op; and a missing or
-disabled kernel falls back to the reference with one warning."""
+format; the MXFP4 modules built on it match their reference paths; torch.compile sees it as one opaque op; and
+a missing or disabled kernel falls back to the reference with one warning."""
 
 import fnmatch
 import logging
@@ -179,7 +178,8 @@ def test_bf16_activations_on_amx_equal_the_reference(E, N, K, rows):
     blocks, scales = packed(E, N, K, seed=rows)
     M = E * rows + 2
     x = bf16_rows(M, K, rows)
-    expert = torch.cat([torch.arange(E).repeat_interleave(rows), torch.tensor([0, E - 1])])  # E - 1: rows + 1
+    # `rows` rows for every expert, one more for the first and the last
+    expert = torch.cat([torch.arange(E).repeat_interleave(rows), torch.tensor([0, E - 1])])
     perm = torch.randperm(M, generator=torch.Generator().manual_seed(0))
     x, expert = x[perm], expert[perm]
     got = kernel(x, blocks, scales, expert, False)
@@ -208,7 +208,7 @@ def test_amx_takes_subnormal_blocks_exactly_and_nan_scales_as_nan():
     nan = exact.isnan()
     assert nan[3:, 20].all() and nan.sum() == 3 and torch.equal(got.isnan(), nan)
     assert (exact[:3, 40:44] != 0).all() and exact[:3, 40:44].abs().max() < 1e-36  # subnormal sums
-    torch.testing.assert_close(got[:3, 32:], exact[:3, 32:], rtol=1e-6, atol=0)  # the exact panel, to the bit
+    torch.testing.assert_close(got[:3, 32:], exact[:3, 32:], rtol=1e-6, atol=0)  # that panel, no flushed terms
     assert_matches(got, exact)
     assert torch.equal(got[3:, 5], torch.zeros(3))
 
