@@ -580,7 +580,7 @@ HZ_AMX_TARGET void amx_group(const Problem& p, const AmxX& ax, size_t gi, int64_
                     buf + q * slot + nt * 512, ahead(k, q));
       }
       // two chunks at a time: four independent accumulators (weight tile x chunk), each A and B tile loaded once
-      // for two products (one chunk at a time, prefill-sized calls ran 1.6x slower)
+      // for two products (one chunk at a time: a 2,048-token gate_up call 14.2 ms, against 12.9)
       for (int64_t i0 = 0; i0 < g.count; i0 += 32) {
         const bool two = i0 + 16 < g.count;
         const uint32_t* b0 = bx + (i0 / 16) * nkt * 256;
