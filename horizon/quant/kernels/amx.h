@@ -1,5 +1,6 @@
-// Intel AMX (Sapphire Rapids and later): whether this process may use its tiles, and the tile setup every
-// AMX loop here shares (rows.cpp's bf16 path). One tile register holds 16 rows of 64 bytes; `tdpbf16ps`
+// Intel AMX (Sapphire Rapids and later): whether this process may use its tiles, and what every AMX loop here
+// shares (rows.cpp's bf16 path, mxfp4.cpp's bf16-activation path): the tile setup and the scatter of C^T tiles
+// into rows of out. One tile register holds 16 rows of 64 bytes; `tdpbf16ps`
 // multiplies a 16 x 32 bf16 tile A by a 32 x 16 bf16 tile B given as 16 rows of pairs (B[k/2][n][k%2]) and
 // adds the fp32 products into a 16 x 16 fp32 tile, each product exact (bf16 x bf16 fits fp32).
 #pragma once
@@ -61,6 +62,16 @@ HZ_AMX_TARGET inline void tiles_begin() {
 }
 
 HZ_AMX_TARGET inline void tiles_end() { _tile_release(); }
+
+// Accumulator tiles of C^T = W x^T, stored to c as nt consecutive [16 weight rows][16 rows of x] blocks, into out:
+// column m of each is row rows[m] of out (cnt <= 16 of them), from column n0 on (out has N columns).
+inline void scatter_tiles(const float* c, int nt, int64_t cnt, const int64_t* rows, float* out, int64_t N, int64_t n0) {
+  for (int64_t m = 0; m < cnt; ++m) {
+    float* o = out + rows[m] * N + n0;
+    for (int j = 0; j < nt; ++j)
+      for (int r = 0; r < 16; ++r) o[16 * j + r] = c[j * 256 + r * 16 + m];
+  }
+}
 
 #else
 

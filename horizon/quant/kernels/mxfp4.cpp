@@ -425,7 +425,8 @@ void pack_b_mx(const Problem& p, const hz::Grouping& grouping, const std::vector
   for (size_t gi = 0; gi < grouping.groups.size(); ++gi) {
     if (!on_amx[gi]) continue;
     const hz::Group& g = grouping.groups[gi];
-    for (int64_t i = 0; i < g.count; ++i) rows.emplace_back(g.start + i, (first_chunk[gi] + i / 16) * nb * 256 + i % 16);
+    for (int64_t i = 0; i < g.count; ++i)
+      rows.emplace_back(g.start + i, (first_chunk[gi] + i / 16) * nb * 256 + i % 16);
   }
   at::parallel_for(0, static_cast<int64_t>(rows.size()), 16, [&](int64_t r0, int64_t r1) {
     for (int64_t r = r0; r < r1; ++r) {
@@ -535,16 +536,14 @@ HZ_AMX_TARGET void amx_group(const Problem& p, const AmxX& ax, size_t gi, int64_
   const int64_t nkt = p.nb, npairs = p.nb / 2;  // k-tiles: two per pair of blocks
   const uint32_t* bx = ax.b + (*ax.first_chunk)[gi] * nkt * 256;
   const int64_t panels = (t1 - t0 + kAmxPanelTiles - 1) / kAmxPanelTiles;
-  auto tiles = [&](int64_t k) { return static_cast<int>(std::min<int64_t>(kAmxPanelTiles, t1 - t0 - k * kAmxPanelTiles)); };
+  auto tiles = [&](int64_t k) {
+    return static_cast<int>(std::min<int64_t>(kAmxPanelTiles, t1 - t0 - k * kAmxPanelTiles));
+  };
   auto first_row = [&](int64_t k) { return 16 * (t0 + k * kAmxPanelTiles); };
   alignas(64) float c[kAmxPanelTiles * 256];
-  auto scatter = [&](int64_t k, int64_t i0) {  // c holds x's rows as columns: each one a row of out
-    const int64_t cnt = std::min<int64_t>(16, g.count - i0), n0 = first_row(k);
-    for (int64_t m = 0; m < cnt; ++m) {
-      float* o = p.out + p.row_of[g.start + i0 + m] * p.N + n0;
-      for (int j = 0; j < tiles(k); ++j)
-        for (int r = 0; r < 16; ++r) o[16 * j + r] = c[j * 256 + r * 16 + m];
-    }
+  auto scatter = [&](int64_t k, int64_t i0) {
+    hz::scatter_tiles(c, tiles(k), std::min<int64_t>(16, g.count - i0), p.row_of + g.start + i0, p.out, p.N,
+                      first_row(k));
   };
   // whether panel k goes to AMX; if not, its rows are computed here and now
   auto usable = [&](int64_t k) {
@@ -558,7 +557,8 @@ HZ_AMX_TARGET void amx_group(const Problem& p, const AmxX& ax, size_t gi, int64_
     if (k + 2 >= panels || (q * 2 * kBlockBytes) % 64 != 0) return nullptr;
     const int64_t n = first_row(k + 2);
     if (q == 0)
-      for (int64_t l = 0; l < 16 * tiles(k + 2) * p.nb; l += 64) _mm_prefetch(reinterpret_cast<const char*>(p.scl(g.expert, n) + l), _MM_HINT_T0);
+      for (int64_t l = 0; l < 16 * tiles(k + 2) * p.nb; l += 64)
+        _mm_prefetch(reinterpret_cast<const char*>(p.scl(g.expert, n) + l), _MM_HINT_T0);
     return p.blk(g.expert, n) + q * 2 * kBlockBytes;
   };
   auto products = [&](const uint16_t* a, const uint32_t* b, int nt) {  // one k-tile: A tiles a (nt of them), B b

@@ -412,12 +412,7 @@ HZ_AMX_TARGET void part_amx(const AmxWork& p, int64_t t0, int64_t t1) {
         const uint32_t* b = p.b + (p.first_chunk[gi] + i0 / 16) * nkt * 256;
         // the first chunk of x fetches ahead (the weights' later chunks find in cache)
         tiles[nt - 1](p.row(g.expert, n0), p.K, b, c, next, i0 == 0 ? next_rows : 0);
-        const int64_t cnt = std::min<int64_t>(16, g.count - i0);
-        for (int64_t m = 0; m < cnt; ++m) {  // c holds x's rows as columns: each one a row of out
-          float* o = p.out + p.row_of[g.start + i0 + m] * p.N + n0;
-          for (int j = 0; j < nt; ++j)
-            for (int r = 0; r < 16; ++r) o[16 * j + r] = c[j * 256 + r * 16 + m];
-        }
+        hz::scatter_tiles(c, nt, std::min<int64_t>(16, g.count - i0), p.row_of + g.start + i0, p.out, p.N, n0);
       }
     }
   }
