@@ -1,6 +1,7 @@
 """KDA: chunkwise == recurrent == flash-linear-attention's reference; state carried exactly."""
 
 import importlib.util
+import math
 from pathlib import Path
 
 import pytest
@@ -10,6 +11,7 @@ import torch.nn.functional as F
 import horizon.model.kda as kda_mod
 from horizon.model import Batch
 from horizon.model.kda import (
+    chunk_scores,
     decayed_scores,
     kda_chunkwise,
     kda_decode,
@@ -17,7 +19,7 @@ from horizon.model.kda import (
     kda_recurrent,
     short_conv,
 )
-from horizon.quant.kernels import kernel_available
+from horizon.quant.kernels import has_avx512, kernel_available
 
 from .conftest import tiny_model
 
@@ -261,3 +263,60 @@ def test_decode_kernel_in_a_compiled_graph_updates_the_cache_itself():
         torch.testing.assert_close(got, want, rtol=1e-6, atol=1e-7)
         torch.testing.assert_close(state, eager_state, rtol=1e-6, atol=1e-7)
     assert not torch.equal(state, decode_inputs(B=4, H=2, K=16, V=16, slots=6, seed=5)[0])  # it did write
+
+
+needs_avx512 = pytest.mark.skipif(not (kernel_available() and has_avx512()), reason="no AVX-512 kernel path here")
+
+
+def chunk_score_inputs(R, C, K, decay, seed=0):
+    g = torch.Generator().manual_seed(seed)
+    k, q = (F.normalize(torch.randn(R, C, K, generator=g), dim=-1) for _ in range(2))
+    G = (-torch.rand(R, C, K, generator=g) * decay).cumsum(-2)
+    return k, q, G
+
+
+@needs_avx512
+@pytest.mark.parametrize("R, C, K, decay", [(3, 16, 16, 2.0), (5, 64, 64, 0.5), (2, 32, 128, 2.0),
+                                            (4, 64, 16, 40.0)])  # 40: strong decay, exponents far below -87
+def test_chunk_score_kernel_equals_the_pairwise_formula(R, C, K, decay):
+    """The prefill's decayed scores through the kernel equal the pairwise formula (in fp64) and the blocked
+    reference (decayed_scores), zeros above the diagonal included, at every decay strength."""
+    k, q, G = chunk_score_inputs(R, C, K, decay)
+    got = chunk_scores(k, q, G)
+    lower = torch.ones(C, C, dtype=torch.bool).tril()
+    pair = (G[:, :, None].double() - G[:, None].double()).masked_fill(~lower[:, :, None], -math.inf)  # [R, i, j, d]
+    want = torch.einsum("mrid,rjd,rijd->mrij", torch.stack((k, q)).double(), k.double(), pair.exp())
+    assert got.shape == (2, R, C, C) and torch.equal(got.triu(1), torch.zeros_like(got))
+    torch.testing.assert_close(got, want.float(), rtol=1e-5, atol=1e-6)
+    torch.testing.assert_close(got, decayed_scores(torch.stack((k, q)), k, G), rtol=1e-5, atol=1e-6)
+
+
+@needs_avx512
+def test_chunkwise_prefill_takes_the_kernel_and_training_the_reference(monkeypatch):
+    """Without gradients and at multiples of 16, kda_chunkwise never forms the reference's decay tensors; with
+    gradients (training) it does, since the op has no backward; C or K off the vector width does too."""
+    q, k, v, g, beta, s0 = inputs(T=40, K=16, V=16)
+    want = kda_chunkwise(q, k, v, g, beta, initial_state=s0, chunk_size=16)
+    calls = []
+    reference = kda_mod.decayed_scores
+    monkeypatch.setattr(kda_mod, "decayed_scores", lambda *a, **kw: calls.append(1) or reference(*a, **kw))
+    got = kda_chunkwise(q, k, v, g, beta, initial_state=s0, chunk_size=16)
+    assert not calls
+    torch.testing.assert_close(got[0], want[0], rtol=0, atol=0)
+    kda_chunkwise(q, k, v, g, beta, initial_state=s0, chunk_size=8)
+    assert calls
+    calls.clear()
+    k.requires_grad_(True)
+    o, _ = kda_chunkwise(q, k, v, g, beta, initial_state=s0, chunk_size=16)
+    o.sum().backward()
+    assert calls and k.grad is not None and k.grad.abs().sum() > 0
+
+
+@needs_avx512
+def test_chunk_score_kernel_rejects_bad_inputs_clearly():
+    k, q, G = chunk_score_inputs(2, 16, 16, 1.0)
+    op = torch.ops.horizon_kernels.kda_chunk_scores
+    with pytest.raises(RuntimeError, match=r"G must be a float32 CPU tensor \[2, 16, 16\]"):
+        op(k, q, G.double())
+    with pytest.raises(RuntimeError, match="C and K must be multiples of 16, got C = 16, K = 8"):
+        op(k[..., :8], q[..., :8], G[..., :8])

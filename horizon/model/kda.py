@@ -103,6 +103,21 @@ def decayed_scores(a: torch.Tensor, b: torch.Tensor, G: torch.Tensor, sub: int =
     return blocks.transpose(-3, -2).reshape(M, *lead, C, C)
 
 
+def chunk_scores(k: torch.Tensor, q: torch.Tensor, G: torch.Tensor) -> torch.Tensor:
+    """decayed_scores(stack((k, q)), k, G): the kk and qk scores of `kda_chunkwise`'s chunks, k, q, G [..., C, K]
+    fp32 -> [2, ..., C, C]. Through the CPU kernel (horizon/quant/kernels/kda.cpp: 8-10x the reference at
+    `small`'s chunks) where it runs its AVX-512 path, C and K are multiples of 16 and nothing needs a gradient
+    (the op has no backward); decayed_scores, its reference, anywhere else."""
+    from horizon.quant import kernels  # here: horizon.quant's modules import this package
+
+    *lead, C, K = k.shape
+    grad = torch.is_grad_enabled() and any(t.requires_grad for t in (k, q, G))
+    if not grad and C % 16 == 0 and K % 16 == 0 and kernels.kernels_run_on(k.device) and kernels.has_avx512():
+        out = torch.ops.horizon_kernels.kda_chunk_scores(*(t.reshape(-1, C, K) for t in (k, q, G)))
+        return out.view(2, *lead, C, C)
+    return decayed_scores(torch.stack((k, q)), k, G)
+
+
 # Chunks whose intra-chunk terms are computed together (bounds memory at long context).
 CHUNK_GROUP = 16
 
@@ -138,7 +153,7 @@ def kda_chunkwise(q, k, v, g, beta, scale: float | None = None, initial_state=No
         grp = slice(g0, g0 + CHUNK_GROUP)
         qn, kn, vn, bn = q[:, :, grp], k[:, :, grp], v[:, :, grp], beta[:, :, grp]
         G = g[:, :, grp].cumsum(-2)  # [B, H, n, C, K]
-        A, Aqk = decayed_scores(torch.stack((kn, qn)), kn, G)  # one decay for both
+        A, Aqk = chunk_scores(kn, qn, G)  # one decay for both
         A = A * bn[..., None]
         # (I + strictly-lower A) X = rhs by forward substitution; unitriangular ignores A's diagonal
         rhs = bn[..., None] * torch.cat((kn * G.exp(), vn), dim=-1)

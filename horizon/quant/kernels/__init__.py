@@ -3,7 +3,8 @@
 here, which the model runner's graph pass and the dense experts call), the lightning indexer's paged
 decode scores (`indexer.cpp`), its exact top-k (`topk.cpp`) and Gated DSA's decode attention over the paged
 latent rows (`attention.cpp`), all called from horizon.model.dsa beside their references, KDA's decode step on the
-cached states in place (`kda.cpp`, called from horizon.model.kda beside its reference) and the engine's greedy
+cached states in place and its chunked prefill's decayed scores (`kda.cpp`, called from horizon.model.kda beside
+their references) and the engine's greedy
 pick (`argmax.cpp`: `argmax_rows` here, torch.argmax its reference).
 
     out = mxfp4_expert_matmul(x, blocks, scales, expert)   # torch.ops.horizon.mxfp4_expert_matmul
@@ -54,7 +55,7 @@ log = logging.getLogger(__name__)
 SOURCES = tuple(Path(__file__).with_name(name) for name in ("mxfp4.cpp", "indexer.cpp", "topk.cpp", "attention.cpp",
                                                               "kda.cpp", "rows.cpp", "argmax.cpp"))
 # hashed with the sources: a change rebuilds
-HEADERS = (Path(__file__).with_name("grouping.h"), Path(__file__).with_name("amx.h"))
+HEADERS = tuple(Path(__file__).with_name(name) for name in ("grouping.h", "amx.h", "simd.h"))
 _lock = threading.Lock()
 _built: bool | None = None  # None: not tried yet in this process
 
@@ -125,6 +126,10 @@ def _register_fakes() -> None:
     @torch.library.register_fake("horizon_kernels::kda_decode_")
     def _(state, slots, q, k, v, alpha, beta, scale, force_portable=False):
         return v.new_empty(v.shape, dtype=torch.float32)
+
+    @torch.library.register_fake("horizon_kernels::kda_chunk_scores")
+    def _(k, q, G):
+        return k.new_empty((2, k.shape[0], k.shape[1], k.shape[1]), dtype=torch.float32)
 
     @torch.library.register_fake("horizon_kernels::rows_matmul")
     def _(x, w, expert=None, force_portable=False):

@@ -34,6 +34,7 @@
 #if defined(__x86_64__) || defined(_M_X64)
 #include <immintrin.h>
 #define HZ_X86 1
+#include "simd.h"
 #endif
 
 namespace {
@@ -110,25 +111,6 @@ void chunk_portable(const Problem& P, int64_t b, int64_t i0, int64_t i1, int64_t
 bool cpu_has_avx512f() {
   static const bool has = __builtin_cpu_supports("avx512f");
   return has;
-}
-
-// exp(x) for x <= 0 (scores minus their running max), relative error ~2e-7: Cody-Waite reduction by ln 2
-// and a degree-6 polynomial (Cephes' expf); below -87 it returns ~1e-38 instead of underflowing (callers
-// zero the lanes that are not visible).
-HZ_AVX512 inline __m512 exp_nonpositive(__m512 x) {
-  x = _mm512_max_ps(x, _mm512_set1_ps(-87.0f));
-  const __m512 n = _mm512_roundscale_ps(_mm512_mul_ps(x, _mm512_set1_ps(1.44269504088896341f)),
-                                        _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
-  x = _mm512_fnmadd_ps(n, _mm512_set1_ps(0.693359375f), x);
-  x = _mm512_fnmadd_ps(n, _mm512_set1_ps(-2.12194440e-4f), x);
-  __m512 y = _mm512_set1_ps(1.9875691500e-4f);
-  y = _mm512_fmadd_ps(y, x, _mm512_set1_ps(1.3981999507e-3f));
-  y = _mm512_fmadd_ps(y, x, _mm512_set1_ps(8.3334519073e-3f));
-  y = _mm512_fmadd_ps(y, x, _mm512_set1_ps(4.1665795894e-2f));
-  y = _mm512_fmadd_ps(y, x, _mm512_set1_ps(1.6666665459e-1f));
-  y = _mm512_fmadd_ps(y, x, _mm512_set1_ps(5.0000001201e-1f));
-  y = _mm512_fmadd_ps(y, _mm512_mul_ps(x, x), _mm512_add_ps(x, _mm512_set1_ps(1.0f)));
-  return _mm512_scalef_ps(y, n);
 }
 
 // 16 vectors -> one vector whose lanes hold their 16 horizontal sums, in the order TREE_LANE gives: four
@@ -214,7 +196,7 @@ HZ_AVX512 void group_avx512(const Problem& P, const float* const* rows, int n, c
       }
       s.m[h] = top;
     }
-    const __m512 e = _mm512_maskz_mov_ps(live, exp_nonpositive(_mm512_sub_ps(sc, _mm512_set1_ps(top))));
+    const __m512 e = _mm512_maskz_mov_ps(live, hz::exp_nonpositive(_mm512_sub_ps(sc, _mm512_set1_ps(top))));
     s.l[h] += _mm512_reduce_add_ps(e);
     _mm512_storeu_ps(probs + h * 16, e);
   }
