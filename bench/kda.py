@@ -1,16 +1,16 @@
-"""KDA's chunked prefill with its decayed scores through the CPU kernel (horizon/quant/kernels/kda.cpp,
-`kda_chunk_scores`) against the PyTorch reference (`decayed_scores`), in one process, rounds interleaved.
+"""KDA's chunkwise prefill through the CPU kernel (horizon/quant/kernels/kda.cpp, `kda_chunk_forward_`) against the
+PyTorch reference (`kda_chunkwise_reference`), in one process, rounds interleaved.
 
-Three measurements, each kernel against reference:
-- `scores`: one group of 16 chunks x the heads, the call kda_chunkwise makes per group;
+Two measurements, each kernel against reference:
 - `chunkwise`: a whole `kda_chunkwise` pass over T tokens of one sequence (`small`'s 8 heads of 64 x 64, chunks
   of 64), with the largest output difference between the two paths;
 - `prefill` (unless --no-model): an eager prefill of one T-token prompt through the model runner, `small` in
   bf16 with MXFP4 routed experts (the preset quantised as configured); 512 tokens is the engine's default
   forward (`max_batch_tokens`: longer prompts are prefilled in chunks of it), 2,048 one forward as long.
-The reference is put in the kernel's place by patching `horizon.model.kda.chunk_scores` inside this script;
-the library has no switch for it beyond HORIZON_KERNELS=0 (every kernel off). No physical limit is given: the
-scores are exponentials and FMAs on data that sits in L1, not a stream from memory.
+The reference is put in the kernel's place by patching `horizon.model.kda.kda_chunkwise` inside this script;
+the library has no switch for it beyond HORIZON_KERNELS=0 (every kernel off). The limit given is arithmetic,
+not memory: the multiply-adds of the chunkwise form at the run's hot fp32 matmul rate (`torch.mm` of 1,024^3),
+since a chunk's rows, scores and state sit in L1/L2.
 
     python bench/kda.py [--threads 2] [--repeats 5] [--quick] [--no-model] [--json]
 
@@ -38,15 +38,15 @@ MODEL_LENGTHS, QUICK_MODEL_LENGTHS = (512, 2048), (512,)
 
 
 @contextlib.contextmanager
-def reference_scores(on: bool):
-    """With on: kda_chunkwise's scores come from decayed_scores, as where the kernel does not run."""
-    kernel = kda_mod.chunk_scores
+def reference_chunkwise(on: bool):
+    """With on: the KDA layers' chunkwise form is the reference, as where the kernel does not run."""
+    kernel = kda_mod.kda_chunkwise
     if on:
-        kda_mod.chunk_scores = lambda k, q, G: kda_mod.decayed_scores(torch.stack((k, q)), k, G)
+        kda_mod.kda_chunkwise = kda_mod.kda_chunkwise_reference
     try:
         yield
     finally:
-        kda_mod.chunk_scores = kernel
+        kda_mod.kda_chunkwise = kernel
 
 
 def seconds(fn) -> float:
@@ -61,7 +61,7 @@ def interleaved(fn, repeats: int) -> tuple[float, float, list[float]]:
     kernel, reference = [], []
     for r in range(repeats + 1):
         for ref, out in ((False, kernel), (True, reference)):
-            with reference_scores(ref):
+            with reference_chunkwise(ref):
                 t = seconds(fn) * 1e3
             if r:
                 out.append(t)
@@ -94,20 +94,16 @@ def main() -> None:
     gen = torch.Generator().manual_seed(0)
     rows = []
     with torch.inference_mode():
-        # one group's scores: what kda_chunkwise asks for per CHUNK_GROUP chunks
-        k, q = (F.normalize(torch.randn(H, kda_mod.CHUNK_GROUP, C, K, generator=gen), dim=-1) for _ in range(2))
-        G = (-torch.rand(H, kda_mod.CHUNK_GROUP, C, K, generator=gen) * 0.5).cumsum(-2)
-        rows.append(row("scores", f"{H} heads x {kda_mod.CHUNK_GROUP} chunks of {C} x {K}",
-                        *interleaved(lambda: kda_mod.chunk_scores(k, q, G), repeats)))
+        a, b = torch.randn(1024, 1024), torch.randn(1024, 1024)
+        gfma = statistics.median(1024**3 / seconds(lambda: torch.mm(a, b)) / 1e9 for _ in range(repeats + 2))
         for T in QUICK_LENGTHS if args.quick else LENGTHS:
             x = kda_inputs(T, H, K, gen)
-            outs = []
-            for ref in (False, True):
-                with reference_scores(ref):
-                    outs.append(kda_mod.kda_chunkwise(*x, chunk_size=C)[0])
-            diff = (outs[0] - outs[1]).abs().max().item()
+            got, want = kda_mod.kda_chunkwise(*x, chunk_size=C), kda_mod.kda_chunkwise_reference(*x, chunk_size=C)
+            diff = max((got[i] - want[i]).abs().max().item() for i in (0, 1))
+            # scores 2 C^2/2 K, substitution C^2/2 2K, v_new, o and the state C K^2 each, o's Aqk C^2/2 K
+            fma = T * H * (C * K + C * K + 3 * K * K + C * K / 2)
             rows.append(row("chunkwise", T, *interleaved(lambda x=x: kda_mod.kda_chunkwise(*x, chunk_size=C), repeats),
-                            max_abs_diff=float(f"{diff:.3g}")))
+                            max_abs_diff=float(f"{diff:.3g}"), limit_ms=round(fma / gfma / 1e6, 2)))
         if not args.no_model:
             from horizon.engine.runner import ModelRunner, StepInputs
             from horizon.quant import quantize_model
@@ -122,12 +118,14 @@ def main() -> None:
                 step = StepInputs(tokens=[prompt], starts=[0], slots=[0])
                 rows.append(row("prefill", T, *interleaved(lambda step=step: runner.run(step), repeats)))
     res = {"bench": "kda", "threads": args.threads, "repeats": repeats, "heads": H, "head_dim": K, "chunk": C,
-           "cases": rows}
+           "mm_GFMAps": round(gfma, 1), "cases": rows}
     if not args.json:
-        print(f"bench/kda.py, {args.threads} threads, {H} heads x {K}, chunks of {C}; medians of {repeats}")
-        print(f"{'what':10} {'case':>34} {'kernel ms':>10} {'reference ms':>13} {'ratio':>6}")
+        print(f"bench/kda.py, {args.threads} threads, {H} heads x {K}, chunks of {C}; medians of {repeats}; "
+              f"hot fp32 mm {res['mm_GFMAps']} GFMA/s")
+        print(f"{'what':10} {'tokens':>7} {'kernel ms':>10} {'reference ms':>13} {'ratio':>6} {'limit ms':>9}")
         for r in rows:
-            print(f"{r['name']:10} {str(r['case']):>34} {r['kernel_ms']:>10} {r['reference_ms']:>13} {r['ratio']:>6}")
+            print(f"{r['name']:10} {r['case']:>7} {r['kernel_ms']:>10} {r['reference_ms']:>13} {r['ratio']:>6} "
+                  f"{r.get('limit_ms', ''):>9}")
     print(json.dumps(res))
 
 

@@ -1,7 +1,6 @@
 """KDA: chunkwise == recurrent == flash-linear-attention's reference; state carried exactly."""
 
 import importlib.util
-import math
 from pathlib import Path
 
 import pytest
@@ -11,9 +10,9 @@ import torch.nn.functional as F
 import horizon.model.kda as kda_mod
 from horizon.model import Batch
 from horizon.model.kda import (
-    chunk_scores,
     decayed_scores,
     kda_chunkwise,
+    kda_chunkwise_reference,
     kda_decode,
     kda_decode_reference,
     kda_recurrent,
@@ -268,55 +267,67 @@ def test_decode_kernel_in_a_compiled_graph_updates_the_cache_itself():
 needs_avx512 = pytest.mark.skipif(not (kernel_available() and has_avx512()), reason="no AVX-512 kernel path here")
 
 
-def chunk_score_inputs(R, C, K, decay, seed=0):
-    g = torch.Generator().manual_seed(seed)
-    k, q = (F.normalize(torch.randn(R, C, K, generator=g), dim=-1) for _ in range(2))
-    G = (-torch.rand(R, C, K, generator=g) * decay).cumsum(-2)
-    return k, q, G
+@needs_avx512
+@pytest.mark.parametrize("B, T, H, K, chunk, decay", [(2, 50, 3, 16, 16, 2.0), (1, 130, 2, 64, 64, 0.5),
+                                                      (1, 64, 1, 64, 64, 2.0), (1, 200, 2, 128, 32, 1.0),
+                                                      (2, 97, 3, 32, 64, 40.0)])  # 40: exponents far below -87
+@pytest.mark.parametrize("with_state", [False, True])
+def test_chunkwise_kernel_equals_the_reference_and_the_recurrence(B, T, H, K, chunk, decay, with_state):
+    """The chunkwise prefill through the kernel (K = V, chunk a multiple of 16) gives the recurrence's outputs and
+    final state, and the reference's, at every decay strength, with a partial last chunk or none; the initial
+    state passed in is left as it was."""
+    q, k, v, g, beta, s0 = inputs(B=B, T=T, H=H, K=K, V=K, decay=decay)
+    s0 = s0 if with_state else None
+    before = None if s0 is None else s0.clone()
+    o, s = kda_chunkwise(q, k, v, g, beta, initial_state=s0, chunk_size=chunk)
+    o_r, s_r = kda_recurrent(q, k, v, g, beta, initial_state=s0)
+    o_ref, s_ref = kda_chunkwise_reference(q, k, v, g, beta, initial_state=s0, chunk_size=chunk)
+    assert o.shape == o_r.shape and s.shape == s_r.shape
+    for got, want in ((o, o_r), (s, s_r), (o, o_ref), (s, s_ref)):
+        torch.testing.assert_close(got, want, atol=1e-5, rtol=0)
+    assert s0 is None or torch.equal(s0, before)
 
 
 @needs_avx512
-@pytest.mark.parametrize("R, C, K, decay", [(3, 16, 16, 2.0), (5, 64, 64, 0.5), (2, 32, 128, 2.0),
-                                            (4, 64, 16, 40.0)])  # 40: strong decay, exponents far below -87
-def test_chunk_score_kernel_equals_the_pairwise_formula(R, C, K, decay):
-    """The prefill's decayed scores through the kernel equal the pairwise formula (in fp64) and the blocked
-    reference (decayed_scores), zeros above the diagonal included, at every decay strength."""
-    k, q, G = chunk_score_inputs(R, C, K, decay)
-    got = chunk_scores(k, q, G)
-    lower = torch.ones(C, C, dtype=torch.bool).tril()
-    pair = (G[:, :, None].double() - G[:, None].double()).masked_fill(~lower[:, :, None], -math.inf)  # [R, i, j, d]
-    want = torch.einsum("mrid,rjd,rijd->mrij", torch.stack((k, q)).double(), k.double(), pair.exp())
-    assert got.shape == (2, R, C, C) and torch.equal(got.triu(1), torch.zeros_like(got))
-    torch.testing.assert_close(got, want.float(), rtol=1e-5, atol=1e-6)
-    torch.testing.assert_close(got, decayed_scores(torch.stack((k, q)), k, G), rtol=1e-5, atol=1e-6)
+def test_chunkwise_kernel_carries_the_state_through_padding():
+    """Positions with g = beta = 0 (how batches pad a shorter sequence) leave the state as it was: a sequence
+    padded from 20 to 45 tokens ends where it ends alone, and its first 20 outputs are its own."""
+    q, k, v, g, beta, s0 = inputs(B=1, T=45, H=2, K=32, V=32, seed=4)
+    g[:, 20:], beta[:, 20:] = 0, 0
+    o_pad, s_pad = kda_chunkwise(q, k, v, g, beta, initial_state=s0, chunk_size=16)
+    o, s = kda_chunkwise(q[:, :20], k[:, :20], v[:, :20], g[:, :20], beta[:, :20], initial_state=s0, chunk_size=16)
+    torch.testing.assert_close(s_pad, s, atol=1e-6, rtol=0)
+    torch.testing.assert_close(o_pad[:, :20], o, atol=1e-6, rtol=0)
 
 
 @needs_avx512
-def test_chunkwise_prefill_takes_the_kernel_and_training_the_reference(monkeypatch):
-    """Without gradients and at multiples of 16, kda_chunkwise never forms the reference's decay tensors; with
-    gradients (training) it does, since the op has no backward; C or K off the vector width does too."""
-    q, k, v, g, beta, s0 = inputs(T=40, K=16, V=16)
-    want = kda_chunkwise(q, k, v, g, beta, initial_state=s0, chunk_size=16)
+def test_chunkwise_takes_the_kernel_and_training_the_reference(monkeypatch):
+    """Without gradients, with K = V and a chunk size that is a multiple of 16, kda_chunkwise runs the kernel;
+    otherwise (another chunk size, K != V, inputs that need a gradient: the op has no backward) the reference."""
     calls = []
-    reference = kda_mod.decayed_scores
-    monkeypatch.setattr(kda_mod, "decayed_scores", lambda *a, **kw: calls.append(1) or reference(*a, **kw))
-    got = kda_chunkwise(q, k, v, g, beta, initial_state=s0, chunk_size=16)
+    reference = kda_mod.kda_chunkwise_reference
+    monkeypatch.setattr(kda_mod, "kda_chunkwise_reference", lambda *a, **kw: calls.append(1) or reference(*a, **kw))
+    q, k, v, g, beta, s0 = inputs(T=40, K=16, V=16)
+    kda_chunkwise(q, k, v, g, beta, initial_state=s0, chunk_size=16)
     assert not calls
-    torch.testing.assert_close(got[0], want[0], rtol=0, atol=0)
     kda_chunkwise(q, k, v, g, beta, initial_state=s0, chunk_size=8)
-    assert calls
-    calls.clear()
+    kda_chunkwise(q, k, v[..., :12], g, beta, initial_state=s0[..., :12], chunk_size=16)
+    assert len(calls) == 2
     k.requires_grad_(True)
     o, _ = kda_chunkwise(q, k, v, g, beta, initial_state=s0, chunk_size=16)
     o.sum().backward()
-    assert calls and k.grad is not None and k.grad.abs().sum() > 0
+    assert len(calls) == 3 and k.grad is not None and k.grad.abs().sum() > 0
 
 
 @needs_avx512
-def test_chunk_score_kernel_rejects_bad_inputs_clearly():
-    k, q, G = chunk_score_inputs(2, 16, 16, 1.0)
-    op = torch.ops.horizon_kernels.kda_chunk_scores
-    with pytest.raises(RuntimeError, match=r"G must be a float32 CPU tensor \[2, 16, 16\]"):
-        op(k, q, G.double())
-    with pytest.raises(RuntimeError, match="C and K must be multiples of 16, got C = 16, K = 8"):
-        op(k[..., :8], q[..., :8], G[..., :8])
+def test_chunkwise_kernel_rejects_bad_inputs_clearly():
+    q, k, v, g, beta, s0 = inputs(T=20, K=16, V=16)
+    op = torch.ops.horizon_kernels.kda_chunk_forward_
+    with pytest.raises(RuntimeError, match=r"g must be a float32 CPU tensor \[2, 20, 3, 16\]"):
+        op(s0.clone(), q, k, v, g.double(), beta, 0.25, 16)
+    with pytest.raises(RuntimeError, match="chunk size must be a positive multiple of 16, got 24"):
+        op(s0.clone(), q, k, v, g, beta, 0.25, 24)
+    with pytest.raises(RuntimeError, match=r"state must be a contiguous float32 CPU tensor \[2, 3, 16, 16\]"):
+        op(s0[:1].clone(), q, k, v, g, beta, 0.25, 16)
+    with pytest.raises(RuntimeError, match="K = V in \\{16, 32, 64, 128\\}, got K = 8"):
+        op(s0[..., :8, :8].contiguous(), q[..., :8], k[..., :8], v[..., :8], g[..., :8], beta, 0.25, 16)

@@ -7,8 +7,10 @@ Per head the state S is a d_k x d_v matrix (fp32). For token t:
 
 Two computations of the same thing:
 - `kda_recurrent`: the formula token by token (decode, and the reference);
-- `kda_chunkwise`: chunks of C tokens; inside a chunk the UT transform turns the recurrence into
-  a lower-triangular solve, and only the state crosses chunk boundaries (training / prefill).
+- `kda_chunkwise_reference`: chunks of C tokens; inside a chunk the UT transform turns the recurrence
+  into a lower-triangular solve, and only the state crosses chunk boundaries (training / prefill).
+Where the CPU kernels run (horizon/quant/kernels/kda.cpp), `kda_chunkwise` (prefill) and `kda_decode`
+(a decode step on the cached states in place) go through them, the two above as their references.
 
 Shapes: q, k [B, T, H, K]; v [B, T, H, V]; g (log alpha) [B, T, H, K]; beta [B, T, H];
 state [B, H, K, V]. A position with beta = 0 and g = 0 leaves the state unchanged exactly; padded
@@ -103,26 +105,32 @@ def decayed_scores(a: torch.Tensor, b: torch.Tensor, G: torch.Tensor, sub: int =
     return blocks.transpose(-3, -2).reshape(M, *lead, C, C)
 
 
-def chunk_scores(k: torch.Tensor, q: torch.Tensor, G: torch.Tensor) -> torch.Tensor:
-    """decayed_scores(stack((k, q)), k, G): the kk and qk scores of `kda_chunkwise`'s chunks, k, q, G [..., C, K]
-    fp32 -> [2, ..., C, C]. Through the CPU kernel (horizon/quant/kernels/kda.cpp: 8-10x the reference at
-    `small`'s chunks) where it runs its AVX-512 path, C and K are multiples of 16 and nothing needs a gradient
-    (the op has no backward); decayed_scores, its reference, anywhere else."""
-    from horizon.quant import kernels  # here: horizon.quant's modules import this package
-
-    *lead, C, K = k.shape
-    grad = torch.is_grad_enabled() and any(t.requires_grad for t in (k, q, G))
-    if not grad and C % 16 == 0 and K % 16 == 0 and kernels.kernels_run_on(k.device) and kernels.has_avx512():
-        out = torch.ops.horizon_kernels.kda_chunk_scores(*(t.reshape(-1, C, K) for t in (k, q, G)))
-        return out.view(2, *lead, C, C)
-    return decayed_scores(torch.stack((k, q)), k, G)
-
-
 # Chunks whose intra-chunk terms are computed together (bounds memory at long context).
 CHUNK_GROUP = 16
 
 
 def kda_chunkwise(q, k, v, g, beta, scale: float | None = None, initial_state=None, chunk_size: int = 64):
+    """kda_chunkwise_reference's (o, final state), through the CPU kernel (horizon/quant/kernels/kda.cpp: each
+    (sequence, head) chunk after chunk in L1/L2, where the reference makes ~30 PyTorch calls a group of chunks
+    over [..., C, C, K]-sized temporaries) where it runs: AVX-512, K = V in {16, 32, 64, 128}, chunk_size a
+    multiple of 16, nothing that needs a gradient (the op has no backward: training takes the reference)."""
+    from horizon.quant import kernels  # here: horizon.quant's modules import this package
+
+    B, T, H, K = q.shape
+    inputs = (q, k, v, g, beta) + (() if initial_state is None else (initial_state,))
+    grad = torch.is_grad_enabled() and any(t.requires_grad for t in inputs)
+    if (not grad and v.shape[-1] == K and K in (16, 32, 64, 128) and chunk_size % 16 == 0
+            and kernels.kernels_run_on(q.device) and kernels.has_avx512()):
+        state = (q.new_zeros(B, H, K, K, dtype=torch.float32) if initial_state is None
+                 else initial_state.float().clone().contiguous())
+        scale = K**-0.5 if scale is None else scale
+        o = torch.ops.horizon_kernels.kda_chunk_forward_(state, q.float(), k.float(), v.float(), g.float(),
+                                                         beta.float(), scale, chunk_size)
+        return o, state
+    return kda_chunkwise_reference(q, k, v, g, beta, scale, initial_state, chunk_size)
+
+
+def kda_chunkwise_reference(q, k, v, g, beta, scale: float | None = None, initial_state=None, chunk_size: int = 64):
     """The same function as `kda_recurrent`, computed chunk by chunk. Returns (o, final state).
 
     Inside a chunk, with G the cumulative log-decay from the chunk start and S the state entering it:
@@ -153,7 +161,7 @@ def kda_chunkwise(q, k, v, g, beta, scale: float | None = None, initial_state=No
         grp = slice(g0, g0 + CHUNK_GROUP)
         qn, kn, vn, bn = q[:, :, grp], k[:, :, grp], v[:, :, grp], beta[:, :, grp]
         G = g[:, :, grp].cumsum(-2)  # [B, H, n, C, K]
-        A, Aqk = chunk_scores(kn, qn, G)  # one decay for both
+        A, Aqk = decayed_scores(torch.stack((kn, qn)), kn, G)  # one decay for both
         A = A * bn[..., None]
         # (I + strictly-lower A) X = rhs by forward substitution; unitriangular ignores A's diagonal
         rhs = bn[..., None] * torch.cat((kn * G.exp(), vn), dim=-1)

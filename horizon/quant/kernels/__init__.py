@@ -3,8 +3,8 @@
 here, which the model runner's graph pass and the dense experts call), the lightning indexer's paged
 decode scores (`indexer.cpp`), its exact top-k (`topk.cpp`) and Gated DSA's decode attention over the paged
 latent rows (`attention.cpp`), all called from horizon.model.dsa beside their references, KDA's decode step on the
-cached states in place and its chunked prefill's decayed scores (`kda.cpp`, called from horizon.model.kda beside
-their references) and the engine's greedy
+cached states in place and its chunkwise prefill (`kda.cpp`, called from horizon.model.kda beside their references)
+and the engine's greedy
 pick (`argmax.cpp`: `argmax_rows` here, torch.argmax its reference).
 
     out = mxfp4_expert_matmul(x, blocks, scales, expert)   # torch.ops.horizon.mxfp4_expert_matmul
@@ -127,9 +127,9 @@ def _register_fakes() -> None:
     def _(state, slots, q, k, v, alpha, beta, scale, force_portable=False):
         return v.new_empty(v.shape, dtype=torch.float32)
 
-    @torch.library.register_fake("horizon_kernels::kda_chunk_scores")
-    def _(k, q, G):
-        return k.new_empty((2, k.shape[0], k.shape[1], k.shape[1]), dtype=torch.float32)
+    @torch.library.register_fake("horizon_kernels::kda_chunk_forward_")
+    def _(state, q, k, v, g, beta, scale, chunk):
+        return v.new_empty(v.shape, dtype=torch.float32)
 
     @torch.library.register_fake("horizon_kernels::rows_matmul")
     def _(x, w, expert=None, force_portable=False):

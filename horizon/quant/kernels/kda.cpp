@@ -128,7 +128,8 @@ HZ_KDA_TARGET inline void transpose_block(const float* src, int64_t K, float* ds
     for (int64_t d = 0; d < K; ++d) dst[d * 16 + j] = src[j * K + d];
 }
 
-// One chunk of one head (see "The chunked prefill's decayed scores" below). buf: 3 C K + 18 K floats.
+// One chunk's scores (see "The chunked prefill" below), k, q and G [C, K] contiguous: out_k[i][j] =
+// sum_d k_i[d] k_j[d] exp(G_i[d] - G_j[d]) and out_q[i][j] the same with q_i, for j <= i; 0 above. buf: 3 C K + 18 K.
 HZ_KDA_TARGET void chunk_scores_avx512(const float* k, const float* q, const float* G, int64_t C, int64_t K,
                                        float* out_k, float* out_q, float* buf) {
   // block-transposed [C / 16][K][16] copies: one vector holds a column d of 16 consecutive rows j
@@ -187,10 +188,154 @@ HZ_KDA_TARGET void chunk_scores_avx512(const float* k, const float* q, const flo
   }
 }
 
+// out[i][:] (=, or += with add) alpha * sum_{d < D} a(i, d) B[d][:] for rows i < M, where a(i, d) = A[i * ars + d * acs]
+// and rows of B and out are 16 NV wide (strides ldb, ldc). lower: A is zero past its diagonal, so row i stops at
+// d = i + 1 (i + 2 for a pair of rows). Two rows at a time: 2 NV independent chains of FMAs.
+template <int NV>
+HZ_KDA_TARGET void gemm_rows(int64_t M, int64_t D, const float* A, int64_t ars, int64_t acs, const float* Bm,
+                             int64_t ldb, float* out, int64_t ldc, float alpha, bool add, bool lower) {
+  const __m512 zero = _mm512_setzero_ps(), scale = _mm512_set1_ps(alpha);
+  for (int64_t i = 0; i < M; i += 2) {
+    const bool two = i + 1 < M;
+    const int64_t Di = lower ? std::min(D, i + 2) : D;
+    const float *a0 = A + i * ars, *a1 = A + (two ? i + 1 : i) * ars;
+    __m512 c0[NV], c1[NV];
+    for (int c = 0; c < NV; ++c) c0[c] = c1[c] = zero;
+    for (int64_t d = 0; d < Di; ++d) {
+      const float* b = Bm + d * ldb;
+      const __m512 x0 = _mm512_set1_ps(a0[d * acs]), x1 = _mm512_set1_ps(a1[d * acs]);
+      for (int c = 0; c < NV; ++c) {
+        const __m512 bv = _mm512_loadu_ps(b + 16 * c);
+        c0[c] = _mm512_fmadd_ps(x0, bv, c0[c]);
+        c1[c] = _mm512_fmadd_ps(x1, bv, c1[c]);
+      }
+    }
+    for (int r = 0; r < (two ? 2 : 1); ++r) {
+      float* o = out + (i + r) * ldc;
+      for (int c = 0; c < NV; ++c) {
+        __m512 v = _mm512_mul_ps(scale, r ? c1[c] : c0[c]);
+        if (add) v = _mm512_add_ps(v, _mm512_loadu_ps(o + 16 * c));
+        _mm512_storeu_ps(o + 16 * c, v);
+      }
+    }
+  }
+}
+
+// X <- (I + L)^-1 X for L strictly lower triangular [C][C] (the diagonal and above are not read) and X of C rows
+// 16 N wide (row stride ldx): forward substitution, X_i -= sum_{j < i} L_ij X_j, row i in registers, even and odd
+// j in separate chains.
+template <int N>
+HZ_KDA_TARGET void forward_substitute(int64_t C, const float* L, float* X, int64_t ldx) {
+  for (int64_t i = 1; i < C; ++i) {
+    float* xi = X + i * ldx;
+    __m512 even[N], odd[N];
+    for (int c = 0; c < N; ++c) {
+      even[c] = _mm512_loadu_ps(xi + 16 * c);
+      odd[c] = _mm512_setzero_ps();
+    }
+    int64_t j = 0;
+    for (; j + 1 < i; j += 2) {
+      const __m512 l0 = _mm512_set1_ps(L[i * C + j]), l1 = _mm512_set1_ps(L[i * C + j + 1]);
+      const float *x0 = X + j * ldx, *x1 = x0 + ldx;
+      for (int c = 0; c < N; ++c) {
+        even[c] = _mm512_fnmadd_ps(l0, _mm512_loadu_ps(x0 + 16 * c), even[c]);
+        odd[c] = _mm512_fnmadd_ps(l1, _mm512_loadu_ps(x1 + 16 * c), odd[c]);
+      }
+    }
+    if (j < i) {
+      const __m512 l0 = _mm512_set1_ps(L[i * C + j]);
+      for (int c = 0; c < N; ++c) even[c] = _mm512_fnmadd_ps(l0, _mm512_loadu_ps(X + j * ldx + 16 * c), even[c]);
+    }
+    for (int c = 0; c < N; ++c) _mm512_storeu_ps(xi + 16 * c, _mm512_add_ps(even[c], odd[c]));
+  }
+}
+
+// One chunked-prefill problem (see "The chunked prefill" below): q, k, g [B, T, H, K], v [B, T, H, V], beta
+// [B, T, H], o [B, T, H, V], S [B, H, K, V] the entering states, updated in place into the final ones.
+struct Chunked {
+  const float *q, *k, *v, *g, *beta;
+  float *o, *S;
+  int64_t T, H, C;
+  float scale;
+};
+
+inline int64_t chunk_buffer_floats(int64_t C, int64_t K) { return 5 * C * K + 2 * C * K + 2 * C * C + 3 * C * K + 18 * K + C; }
+
+// Every chunk of sequence b, head h, in order (K = V = 16 N). buf: chunk_buffer_floats(C, K).
+template <int N>
+HZ_KDA_TARGET void chunked_head(const Chunked& p, int64_t b, int64_t h, float* buf) {
+  constexpr int64_t K = 16 * N, V = K, W = K + V;
+  const int64_t C = p.C, H = p.H, T = p.T;
+  float *qc = buf, *kc = qc + C * K, *G = kc + C * K, *dec = G + C * K, *gl = dec + C * K;
+  float *X = gl + C * K, *A = X + C * W, *Aq = A + C * C, *sbuf = Aq + C * C, *beta = sbuf + 3 * C * K + 18 * K;
+  float* S = p.S + (b * H + h) * K * V;
+  const __m512 zero = _mm512_setzero_ps(), scale = _mm512_set1_ps(p.scale);
+  for (int64_t t0 = 0; t0 < T; t0 += C) {
+    const int64_t n = std::min(C, T - t0);
+    // the chunk's rows, contiguous; past n zeros with g = beta = 0 (the state passes through them unchanged)
+    for (int64_t i = 0; i < C; ++i) {
+      const int64_t row = (b * T + t0 + i) * H + h;
+      const bool real = i < n;
+      for (int c = 0; c < N; ++c) {
+        const int64_t o = 16 * c;
+        const __m512 gi = real ? _mm512_loadu_ps(p.g + row * K + o) : zero;
+        _mm512_storeu_ps(G + i * K + o, i ? _mm512_add_ps(_mm512_loadu_ps(G + (i - 1) * K + o), gi) : gi);
+        _mm512_storeu_ps(qc + i * K + o, real ? _mm512_mul_ps(_mm512_loadu_ps(p.q + row * K + o), scale) : zero);
+        _mm512_storeu_ps(kc + i * K + o, real ? _mm512_loadu_ps(p.k + row * K + o) : zero);
+        _mm512_storeu_ps(X + i * W + K + o, real ? _mm512_loadu_ps(p.v + row * V + o) : zero);
+      }
+      beta[i] = real ? p.beta[row] : 0.0f;
+    }
+    chunk_scores_avx512(kc, qc, G, C, K, A, Aq, sbuf);
+    // (I + diag(beta) A) [W | U] = diag(beta) [k exp(G) | v]
+    for (int64_t i = 0; i < C; ++i) {
+      const __m512 bi = _mm512_set1_ps(beta[i]);
+      for (int64_t j = 0; j < i; j += 16)
+        _mm512_storeu_ps(A + i * C + j, _mm512_mul_ps(bi, _mm512_loadu_ps(A + i * C + j)));
+      for (int c = 0; c < N; ++c) {
+        const int64_t o = 16 * c;
+        const __m512 e = hz::exp_nonpositive(_mm512_loadu_ps(G + i * K + o));
+        _mm512_storeu_ps(X + i * W + o, _mm512_mul_ps(bi, _mm512_mul_ps(_mm512_loadu_ps(kc + i * K + o), e)));
+        _mm512_storeu_ps(X + i * W + K + o, _mm512_mul_ps(bi, _mm512_loadu_ps(X + i * W + K + o)));
+        _mm512_storeu_ps(dec + i * K + o, _mm512_mul_ps(_mm512_loadu_ps(qc + i * K + o), e));  // q exp(G)
+        const __m512 last = _mm512_loadu_ps(G + (C - 1) * K + o);  // k exp(G_last - G)
+        _mm512_storeu_ps(gl + i * K + o, _mm512_mul_ps(_mm512_loadu_ps(kc + i * K + o),
+                                                       hz::exp_nonpositive(_mm512_sub_ps(last, _mm512_loadu_ps(G + i * K + o)))));
+      }
+    }
+    forward_substitute<2 * N>(C, A, X, W);
+    float *U = X + K, *out = p.o + ((b * T + t0) * H + h) * V;
+    gemm_rows<N>(C, K, X, W, 1, S, V, U, W, -1.0f, true, false);            // v_new = U - W S, in U's place
+    gemm_rows<N>(n, K, dec, K, 1, S, V, out, H * V, 1.0f, false, false);   // o = q exp(G) S
+    gemm_rows<N>(n, C, Aq, C, 1, U, W, out, H * V, 1.0f, true, true);      //   + Aqk v_new
+    for (int c = 0; c < N; ++c)  // S <- exp(G_last) S + (k exp(G_last - G))^T v_new
+      _mm512_storeu_ps(sbuf + 16 * c, hz::exp_nonpositive(_mm512_loadu_ps(G + (C - 1) * K + 16 * c)));
+    for (int64_t d = 0; d < K; ++d) {
+      const __m512 a = _mm512_set1_ps(sbuf[d]);
+      for (int c = 0; c < N; ++c) _mm512_storeu_ps(S + d * V + 16 * c, _mm512_mul_ps(a, _mm512_loadu_ps(S + d * V + 16 * c)));
+    }
+    gemm_rows<N>(K, C, gl, 1, K, U, W, S, V, 1.0f, true, false);
+  }
+}
+
+using ChunkedFn = void (*)(const Chunked&, int64_t, int64_t, float*);
+
+ChunkedFn chunked_head_for(int64_t K) {
+  switch (K) {
+    case 16: return chunked_head<1>;
+    case 32: return chunked_head<2>;
+    case 64: return chunked_head<4>;
+    case 128: return chunked_head<8>;
+    default: return nullptr;
+  }
+}
+
 #else
 
 bool kda_cpu_has_avx512() { return false; }
 HeadFn head_avx512_for(int64_t) { return nullptr; }
+using ChunkedFn = void (*)();
+ChunkedFn chunked_head_for(int64_t) { return nullptr; }
 
 #endif
 
@@ -251,38 +396,51 @@ at::Tensor kda_decode_(at::Tensor& state, const at::Tensor& slot_, const at::Ten
   return out;
 }
 
-// ---- The chunked prefill's decayed scores: horizon.model.kda.decayed_scores(stack((k, q)), k, G) ----
-// For each chunk r of one head, with k, q and G [C, K] (G the cumulative log-decay from the chunk's start, so
-// non-increasing down the rows):
-//     out[0][r][i][j] = sum_d k_i[d] k_j[d] exp(G_i[d] - G_j[d]),  out[1][r][i][j] the same with q_i;  j <= i, 0 above.
-// Why: the PyTorch reference forms [sub, sub, K] and [n, n, sub, K] decay tensors and makes a dozen elementwise
-// passes over them: ~50 ms for 16 chunks of 8 heads at `small`, ~85% of a KDA layer's 2,048-token prefill. Here
-// one row i is computed against 16 columns j at once (a vector, j in lanes), in L1:
-// - a block J of 16 columns before i's block factorises through J's last row r, as in the reference:
-//   (x_i exp(G_i - G_r)) . (k_j exp(G_r - G_j)), the right factor formed once per chunk: K exponentials per (i, J);
-// - i's own block takes exp(G_i - G_j) for every (d, j): K vector exponentials per row.
-// Every exponent is <= 0, so nothing overflows however strong the decay. AVX-512 only, C and K multiples of 16:
-// a scalar loop would be slower than the reference (which PyTorch vectorises), so the caller takes the
-// reference elsewhere. Parallel over chunks.
-at::Tensor kda_chunk_scores(const at::Tensor& k_, const at::Tensor& q_, const at::Tensor& G_) {
-  TORCH_CHECK(k_.dim() == 3, "kda_chunk_scores: k must be [chunks, C, K], got ", k_.sizes());
-  const int64_t R = k_.size(0), C = k_.size(1), K = k_.size(2);
-  check_rows("kda_chunk_scores", k_, "k", {R, C, K});
-  check_rows("kda_chunk_scores", q_, "q", {R, C, K});
-  check_rows("kda_chunk_scores", G_, "G", {R, C, K});
-  TORCH_CHECK(C % 16 == 0 && K % 16 == 0, "kda_chunk_scores: C and K must be multiples of 16, got C = ", C,
-              ", K = ", K);
-  TORCH_CHECK(kda_cpu_has_avx512(), "kda_chunk_scores: needs AVX-512 (horizon.model.kda.decayed_scores otherwise)");
-  const at::Tensor k = k_.contiguous(), q = q_.contiguous(), G = G_.contiguous();
-  at::Tensor out = at::empty({2, R, C, C}, k.options());
+// ---- The chunked prefill: horizon.model.kda.kda_chunkwise_reference, whole ----
+// Per sequence b and head h, chunk after chunk of C tokens, with G the cumulative log-decay from the chunk's
+// start and S the state entering it (the reference's docstring has the derivation):
+//     A[i, j]   = beta_i sum_d k_i[d] k_j[d] exp(G_i[d] - G_j[d])  (j < i);  Aqk the same with q_i, j <= i
+//     (I + A) [W | U] = diag(beta) [k exp(G) | v]                   (forward substitution)
+//     v_new = U - W S;   o = (q exp(G)) S + Aqk v_new;   S <- exp(G_last) S + (k exp(G_last - G))^T v_new
+// Why: the reference makes ~30 PyTorch calls a group of chunks and ~8 a chunk, over [.., C, C, K]-sized decay
+// temporaries: 20 ms for 512 tokens of `small`'s 8 heads of 64, a fifth of an eager 512-token prefill. Here
+// one (sequence, head) keeps its chunk's rows, scores and state in L1 and L2 (~200 KB at C = K = 64).
+// The scores: one row i against 16 columns j at once (a vector, j in lanes); a block J of columns before i's
+// block factorises through J's last row r, as in the reference, (x_i exp(G_i - G_r)) . (k_j exp(G_r - G_j)), the
+// right factor formed once per chunk; i's own block takes exp(G_i - G_j) for every (d, j). Every exponent is
+// <= 0 (g = log alpha <= 0), so nothing overflows however strong the decay.
+// AVX-512 only, K = V in {16, 32, 64, 128}, C a multiple of 16: elsewhere (and with gradients: no backward) the
+// caller runs the reference, which PyTorch vectorises; a scalar loop here would be slower. Work: parallel over
+// (sequence, head) pairs; positions past a sequence's length are whatever the caller padded them with (the
+// engine's batches: g = beta = 0, which leave the state unchanged).
+at::Tensor kda_chunk_forward_(at::Tensor& state, const at::Tensor& q_, const at::Tensor& k_, const at::Tensor& v_,
+                              const at::Tensor& g_, const at::Tensor& beta_, double scale, int64_t chunk) {
+  TORCH_CHECK(q_.dim() == 4, "kda_chunk_forward_: q must be [B, T, H, K], got ", q_.sizes());
+  const int64_t B = q_.size(0), T = q_.size(1), H = q_.size(2), K = q_.size(3);
+  check_rows("kda_chunk_forward_", q_, "q", {B, T, H, K});
+  check_rows("kda_chunk_forward_", k_, "k", {B, T, H, K});
+  check_rows("kda_chunk_forward_", v_, "v", {B, T, H, K});
+  check_rows("kda_chunk_forward_", g_, "g", {B, T, H, K});
+  check_rows("kda_chunk_forward_", beta_, "beta", {B, T, H});
+  TORCH_CHECK(state.device().is_cpu() && state.scalar_type() == at::kFloat && state.is_contiguous() &&
+                  state.sizes() == at::IntArrayRef({B, H, K, K}),
+              "kda_chunk_forward_: state must be a contiguous float32 CPU tensor [", B, ", ", H, ", ", K, ", ", K,
+              "], got ", state.scalar_type(), " ", state.sizes());
+  TORCH_CHECK(chunk > 0 && chunk % 16 == 0, "kda_chunk_forward_: the chunk size must be a positive multiple of 16, got ",
+              chunk);
+  const ChunkedFn fn = kda_cpu_has_avx512() ? chunked_head_for(K) : nullptr;
+  TORCH_CHECK(fn, "kda_chunk_forward_: needs AVX-512 and K = V in {16, 32, 64, 128}, got K = ", K,
+              " (horizon.model.kda.kda_chunkwise_reference otherwise)");
+  const at::Tensor q = q_.contiguous(), k = k_.contiguous(), v = v_.contiguous(), g = g_.contiguous(),
+                   beta = beta_.contiguous();
+  at::Tensor out = at::empty({B, T, H, K}, q.options());
 #if HZ_KDA_AVX512
-  const float *kp = k.data_ptr<float>(), *qp = q.data_ptr<float>(), *Gp = G.data_ptr<float>();
-  float* op = out.data_ptr<float>();
-  at::parallel_for(0, R, 1, [&](int64_t r0, int64_t r1) {
-    std::vector<float> buf(3 * C * K + 18 * K);
-    for (int64_t r = r0; r < r1; ++r)
-      chunk_scores_avx512(kp + r * C * K, qp + r * C * K, Gp + r * C * K, C, K, op + r * C * C,
-                          op + (R + r) * C * C, buf.data());
+  const Chunked p{q.data_ptr<float>(), k.data_ptr<float>(), v.data_ptr<float>(), g.data_ptr<float>(),
+                  beta.data_ptr<float>(), out.data_ptr<float>(), state.data_ptr<float>(), T, H, chunk,
+                  static_cast<float>(scale)};
+  at::parallel_for(0, B * H, 1, [&](int64_t i0, int64_t i1) {
+    std::vector<float> buf(chunk_buffer_floats(chunk, K));
+    for (int64_t i = i0; i < i1; ++i) fn(p, i / H, i % H, buf.data());
   });
 #endif
   return out;
@@ -293,10 +451,11 @@ at::Tensor kda_chunk_scores(const at::Tensor& k_, const at::Tensor& q_, const at
 TORCH_LIBRARY_FRAGMENT(horizon_kernels, m) {
   m.def("kda_decode_(Tensor(a!) state, Tensor slots, Tensor q, Tensor k, Tensor v, Tensor alpha, Tensor beta, "
         "float scale, bool force_portable=False) -> Tensor");
-  m.def("kda_chunk_scores(Tensor k, Tensor q, Tensor G) -> Tensor");
+  m.def("kda_chunk_forward_(Tensor(a!) state, Tensor q, Tensor k, Tensor v, Tensor g, Tensor beta, float scale, "
+        "int chunk) -> Tensor");
 }
 
 TORCH_LIBRARY_IMPL(horizon_kernels, CPU, m) {
   m.impl("kda_decode_", &kda_decode_);
-  m.impl("kda_chunk_scores", &kda_chunk_scores);
+  m.impl("kda_chunk_forward_", &kda_chunk_forward_);
 }
