@@ -3,9 +3,8 @@
 here, which the model runner's graph pass and the dense experts call), the lightning indexer's paged
 decode scores (`indexer.cpp`), its exact top-k (`topk.cpp`) and Gated DSA's decode attention over the paged
 latent rows (`attention.cpp`), all called from horizon.model.dsa beside their references, KDA's decode step on the
-cached states in place and its chunkwise prefill (`kda.cpp`, called from horizon.model.kda beside their references)
-and the engine's greedy
-pick (`argmax.cpp`: `argmax_rows` here, torch.argmax its reference).
+cached states in place and its chunkwise prefill (`kda.cpp`, called from horizon.model.kda beside their
+references) and the engine's greedy pick (`argmax.cpp`: `argmax_rows` here, torch.argmax its reference).
 
     out = mxfp4_expert_matmul(x, blocks, scales, expert)   # torch.ops.horizon.mxfp4_expert_matmul
     # x float [M, K]; blocks uint8 [E, N, nb, 16]; scales uint8 [E, N, nb]; expert int64 [M] in [0, E)

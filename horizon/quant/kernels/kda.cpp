@@ -1,4 +1,7 @@
-// One decode step of Kimi Delta Attention for a batch, each sequence's state updated in place in the cache
+// Kimi Delta Attention on the CPU: a batch's decode step on the cached states in place (`kda_decode_`, here
+// first) and the chunkwise prefill (`kda_chunk_forward_`, "The chunked prefill" at the end).
+//
+// One decode step for a batch, each sequence's state updated in place in the cache
 // (horizon.model.kda: `kda_recurrent` for one token is the reference). Per sequence b and head h, with
 // S = state[slot[b], h] (d_k x d_v, fp32) and alpha = exp(g) computed by the caller:
 //
