@@ -5,6 +5,7 @@ import torch
 
 from horizon.model import balance_moe_bias
 from horizon.model.moe import MoE, Router, _grouped_mm_takes, dispatch, grouped_experts, swiglu_expert
+from horizon.quant.kernels import kernel_available
 
 from .conftest import tiny
 
@@ -54,6 +55,51 @@ def test_group_limiting_keeps_experts_inside_the_best_groups():
     # without the limit, some tokens would pick outside those groups (so the test has teeth)
     free = s.topk(3, -1).indices
     assert not allowed.gather(1, free).all()
+
+
+needs_kernels = pytest.mark.skipif(not kernel_available(), reason="the CPU kernels did not build")
+
+
+@needs_kernels
+@pytest.mark.parametrize("E, G, kept, k", [(8, 2, 1, 2), (64, 4, 2, 4), (64, 1, 1, 6), (12, 3, 2, 3), (608, 8, 4, 16)])
+def test_router_kernel_selects_what_the_reference_selects(E, G, kept, k):
+    """The group-limited top-k kernel gives the reference's experts in the reference's order (largest choice
+    first), with a bias, at the tiny, small and 2.8t shapes and without groups; a NaN score ranks first in both."""
+    r = router(n_routed_experts=E, n_group=G, topk_group=kept, num_experts_per_tok=k)
+    r.e_score_correction_bias.copy_(torch.randn(E, generator=torch.Generator().manual_seed(1)) * 0.1)
+    scores = torch.rand(300, E, generator=torch.Generator().manual_seed(2))
+    scores[7, E // 2] = float("nan")
+    got = r.select(scores)
+    assert got.dtype == torch.int64 and torch.equal(got, r.select_reference(scores))
+    assert got[7, 0] == E // 2
+
+
+@needs_kernels
+def test_router_kernel_breaks_ties_toward_lower_indices_and_rejects_bad_shapes():
+    """Equal choices rank the lower index first (groups, then experts); a selection the groups cannot fill, or
+    groups that do not divide the experts, get a clear error."""
+    op = torch.ops.horizon_kernels.grouped_topk
+    scores = torch.full((2, 8), 0.5)
+    assert op(scores, torch.zeros(8), 3, 4, 2).tolist() == [[0, 1, 2]] * 2
+    scores[1, 6:] = 0.9  # group 3 now leads
+    assert op(scores, torch.zeros(8), 3, 4, 2).tolist()[1] == [6, 7, 0]
+    with pytest.raises(RuntimeError, match=r"k must be in \[1, 4\] \(the experts of the kept groups\), got 5"):
+        op(scores, torch.zeros(8), 5, 4, 2)
+    with pytest.raises(RuntimeError, match="need n_group dividing E = 8"):
+        op(scores, torch.zeros(8), 2, 3, 1)
+    with pytest.raises(RuntimeError, match=r"bias must be a float32 CPU tensor \[8\]"):
+        op(scores, torch.zeros(7), 2, 4, 2)
+
+
+@needs_kernels
+def test_router_forward_selects_through_the_kernel_and_still_trains(monkeypatch):
+    """Router.forward takes its experts from the kernel on the CPU (the indices carry no gradient), and the gate
+    weights still give the router's weight a gradient."""
+    r = router()
+    monkeypatch.setattr(Router, "select_reference", lambda *a: pytest.fail("the reference ran"))
+    weights, idx = r(torch.randn(16, 64))
+    weights.sum().backward()
+    assert idx.shape == (16, r.top_k) and r.weight.grad is not None and r.weight.grad.abs().sum() > 0
 
 
 def test_batched_dispatch_equals_a_per_token_reference():

@@ -4,7 +4,8 @@ here, which the model runner's graph pass and the dense experts call), the light
 decode scores (`indexer.cpp`), its exact top-k (`topk.cpp`) and Gated DSA's decode attention over the paged
 latent rows (`attention.cpp`), all called from horizon.model.dsa beside their references, KDA's decode step on the
 cached states in place and its chunkwise prefill (`kda.cpp`, called from horizon.model.kda beside their
-references) and the engine's greedy pick (`argmax.cpp`: `argmax_rows` here, torch.argmax its reference).
+references), the MoE router's group-limited top-k (`router.cpp`, called from horizon.model.moe beside its reference)
+and the engine's greedy pick (`argmax.cpp`: `argmax_rows` here, torch.argmax its reference).
 
     out = mxfp4_expert_matmul(x, blocks, scales, expert)   # torch.ops.horizon.mxfp4_expert_matmul
     # x float [M, K]; blocks uint8 [E, N, nb, 16]; scales uint8 [E, N, nb]; expert int64 [M] in [0, E)
@@ -50,9 +51,10 @@ from horizon.quant.mxfp4 import BLOCK, check_packed, dequantize
 log = logging.getLogger(__name__)
 
 # one extension: indexer.cpp, topk.cpp and attention.cpp are horizon.model.dsa's, kda.cpp horizon.model.kda's,
-# rows.cpp the few-rows matmul (`rows_matmul` below), argmax.cpp the greedy pick (`argmax_rows` below)
+# router.cpp horizon.model.moe's, rows.cpp the few-rows matmul (`rows_matmul` below), argmax.cpp the greedy pick
+# (`argmax_rows` below)
 SOURCES = tuple(Path(__file__).with_name(name) for name in ("mxfp4.cpp", "indexer.cpp", "topk.cpp", "attention.cpp",
-                                                              "kda.cpp", "rows.cpp", "argmax.cpp"))
+                                                              "kda.cpp", "rows.cpp", "argmax.cpp", "router.cpp"))
 # hashed with the sources: a change rebuilds
 HEADERS = tuple(Path(__file__).with_name(name) for name in ("grouping.h", "amx.h", "simd.h"))
 _lock = threading.Lock()
@@ -129,6 +131,10 @@ def _register_fakes() -> None:
     @torch.library.register_fake("horizon_kernels::kda_chunk_forward_")
     def _(state, q, k, v, g, beta, scale, chunk):
         return v.new_empty(v.shape, dtype=torch.float32)
+
+    @torch.library.register_fake("horizon_kernels::grouped_topk")
+    def _(scores, bias, k, n_group, topk_group):
+        return scores.new_empty((scores.shape[0], k), dtype=torch.int64)
 
     @torch.library.register_fake("horizon_kernels::rows_matmul")
     def _(x, w, expert=None, force_portable=False):
