@@ -148,7 +148,6 @@ class Router(nn.Module):
             weights = weights / (weights.sum(-1, keepdim=True) + 1e-20)
         return weights * self.scaling, idx
 
-
     def select(self, scores: torch.Tensor) -> torch.Tensor:
         """The experts of scores [N, E] (fp32): select_reference's, through the CPU kernel
         (horizon/quant/kernels/router.cpp: one pass a row where the reference's three torch.topk calls take
