@@ -331,3 +331,17 @@ def test_chunkwise_kernel_rejects_bad_inputs_clearly():
         op(s0[:1].clone(), q, k, v, g, beta, 0.25, 16)
     with pytest.raises(RuntimeError, match="K = V in \\{16, 32, 64, 128\\}, got K = 8"):
         op(s0[..., :8, :8].contiguous(), q[..., :8], k[..., :8], v[..., :8], g[..., :8], beta, 0.25, 16)
+
+
+@needs_avx512
+def test_chunkwise_kernel_traces_into_a_compiled_graph():
+    """The op's fake (shape and dtype) lets torch.compile trace kda_chunkwise whole, without a graph break,
+    and the compiled call equals eager; the state it fills is a fresh tensor, so the inputs stay as they were."""
+    q, k, v, g, beta, s0 = inputs(B=2, T=37, H=2, K=16, V=16, seed=6)
+    before = s0.clone()
+    compiled = torch.compile(lambda *a: kda_chunkwise(*a, initial_state=s0, chunk_size=16), fullgraph=True)
+    got_o, got_s = compiled(q, k, v, g, beta)
+    want_o, want_s = kda_chunkwise(q, k, v, g, beta, initial_state=s0, chunk_size=16)
+    torch.testing.assert_close(got_o, want_o, rtol=1e-6, atol=1e-6)
+    torch.testing.assert_close(got_s, want_s, rtol=1e-6, atol=1e-6)
+    assert torch.equal(s0, before)

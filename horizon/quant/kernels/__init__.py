@@ -196,9 +196,19 @@ def argmax_rows(logits: torch.Tensor) -> torch.Tensor:
     return logits.argmax(dim=-1)
 
 
+_avx512: bool | None = None  # has_avx512(), once asked outside a compiled graph
+
+
 def has_avx512() -> bool:
-    """Whether the kernel runs its AVX-512 path on this CPU (False when the kernel is unavailable)."""
-    return kernel_available() and bool(torch.ops.horizon_kernels.has_avx512())
+    """Whether the kernel runs its AVX-512 path on this CPU (False when the kernel is unavailable). Asked once per
+    process; a graph being compiled reads the answer as a constant (and, if nothing asked yet, gets False: the
+    references, which trace, instead of a query dynamo cannot trace)."""
+    global _avx512
+    if _avx512 is None:
+        if torch.compiler.is_compiling():
+            return False
+        _avx512 = kernel_available() and bool(torch.ops.horizon_kernels.has_avx512())
+    return _avx512
 
 
 def has_amx() -> bool:
