@@ -46,6 +46,11 @@ def kda_recurrent(q, k, v, g, beta, scale: float | None = None, initial_state=No
     return o, S
 
 
+def _needs_grad(*tensors) -> bool:
+    """Whether autograd records an op on these (None entries ignored): the kernels have no backward."""
+    return torch.is_grad_enabled() and any(t is not None and t.requires_grad for t in tensors)
+
+
 def kda_decode_reference(state, slots, q, k, v, g, beta, scale: float | None = None) -> torch.Tensor:
     """One token per sequence against cached states, updated in place: o [B, H, V] from q, k, g [B, H, K],
     v [B, H, V], beta [B, H] and state [slots, H, K, V] (fp32), sequence b at row slots[b]. It gathers the
@@ -65,8 +70,8 @@ def kda_decode(state, slots, q, k, v, g, beta, scale: float | None = None, force
     that need a gradient (the op has no backward)."""
     from horizon.quant import kernels  # here: horizon.quant's modules import this package
 
-    grad = torch.is_grad_enabled() and any(t.requires_grad for t in (state, q, k, v, g, beta))
-    if not grad and state.dtype == torch.float32 and state.is_contiguous() and kernels.kernels_run_on(state.device):
+    if (not _needs_grad(state, q, k, v, g, beta) and state.dtype == torch.float32 and state.is_contiguous()
+            and kernels.kernels_run_on(state.device)):
         scale = q.shape[-1] ** -0.5 if scale is None else scale
         return torch.ops.horizon_kernels.kda_decode_(state, slots, q.float(), k.float(), v.float(), g.float().exp(),
                                                      beta.float(), scale, force_portable)
@@ -117,10 +122,8 @@ def kda_chunkwise(q, k, v, g, beta, scale: float | None = None, initial_state=No
     from horizon.quant import kernels  # here: horizon.quant's modules import this package
 
     B, T, H, K = q.shape
-    inputs = (q, k, v, g, beta) + (() if initial_state is None else (initial_state,))
-    grad = torch.is_grad_enabled() and any(t.requires_grad for t in inputs)
-    if (not grad and v.shape[-1] == K and K in (16, 32, 64, 128) and chunk_size % 16 == 0
-            and kernels.kernels_run_on(q.device) and kernels.has_avx512()):
+    if (not _needs_grad(q, k, v, g, beta, initial_state) and v.shape[-1] == K and K in (16, 32, 64, 128)
+            and chunk_size % 16 == 0 and kernels.kernels_run_on(q.device) and kernels.has_avx512()):
         state = (q.new_zeros(B, H, K, K, dtype=torch.float32) if initial_state is None
                  else initial_state.float().clone().contiguous())
         scale = K**-0.5 if scale is None else scale
