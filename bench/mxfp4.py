@@ -20,7 +20,8 @@ rows an expert; `bf16_path` says which ran), on the preset's expert shapes (gate
 step of 1, 4, 16 and 64 sequences routes (tokens x experts per token, each token to distinct experts, as the
 router picks them) and of 256 tokens (a prefill chunk), weights cycled through copies larger than the
 last-level cache (cold, as in a step), rounds interleaved, medians; speedup = fp32 time / int8 time
-(speedup_bf16: fp32 time / bf16 time), and the packed bytes of the experts a call touches per second against
+(speedup_bf16: fp32 time / bf16 time; speedup_vs_portable: the kernel's portable C++ path's time with fp32
+activations / fp32 time, the vector path's gain), and the packed bytes of the experts a call touches per second against
 a cold read measured in the same run (the limit).
 
     python bench/mxfp4.py [--preset small] [--prompt 64] [--decode-steps 16] [--repeats 5] [--attention]
@@ -156,18 +157,18 @@ def timed_once(fn) -> float:
     return time.perf_counter() - t0
 
 
-def call_us(op, x: torch.Tensor, copies: list, ids: list, q8: bool, calls: int) -> float:
+def call_us(op, x: torch.Tensor, copies: list, ids: list, portable: bool, q8: bool, calls: int) -> float:
     """Microseconds per kernel call, cycling through the weight copies (after one warm-up call)."""
-    op(x, *copies[0], ids[0], False, q8)
+    op(x, *copies[0], ids[0], portable, q8)
     t0 = time.perf_counter()
     for i in range(calls):
-        op(x, *copies[i % len(copies)], ids[i % len(copies)], False, q8)
+        op(x, *copies[i % len(copies)], ids[i % len(copies)], portable, q8)
     return (time.perf_counter() - t0) / calls * 1e6
 
 
 def kernel_bench(cfg: ModelConfig, preset: str, repeats: int, seed: int) -> None:
     """fp32 against int8 and bf16 activations in the fused kernel (the module docstring's --kernel)."""
-    from horizon.quant.kernels import has_amx, has_vnni, kernel_available
+    from horizon.quant.kernels import has_amx, has_avx2, has_avx512, has_vnni, kernel_available
 
     if not kernel_available():
         raise SystemExit("bench/mxfp4.py --kernel: the C++ kernel did not build (see the warning above)")
@@ -185,19 +186,23 @@ def kernel_bench(cfg: ModelConfig, preset: str, repeats: int, seed: int) -> None
         for tokens in (1, 4, 16, 64, 256):  # a decode step of that many sequences (256: a prefill chunk)
             rows = tokens * k  # each token's row goes to k distinct experts
             x = torch.randn(rows, K, generator=gen)
-            inputs = {"fp32": (x, False), "int8": (x, True), "bf16": (x.bfloat16().float(), False)}
+            # (x, the portable path, int8 activations)
+            inputs = {"fp32": (x, False, False), "int8": (x, False, True), "bf16": (x.bfloat16().float(), False, False),
+                      "portable": (x, True, False)}
             ids = [torch.stack([torch.randperm(E, generator=gen)[:k] for _ in range(tokens)]).flatten()
                    for _ in range(len(copies))]
             touched = statistics.mean(len(i.unique()) for i in ids) * N * (K // 32) * 17  # packed bytes read
             calls = max(8, min(200, 4000 // rows))
             times = {name: [] for name in inputs}
             for r in range(repeats):
-                for form in list(inputs)[r % 3:] + list(inputs)[:r % 3]:  # each form first in turn
-                    times[form].append(call_us(op, inputs[form][0], copies, ids, inputs[form][1], calls))
-            a, b, c = (statistics.median(times[form]) for form in inputs)
+                for form in list(inputs)[r % len(inputs):] + list(inputs)[:r % len(inputs)]:  # each first in turn
+                    times[form].append(call_us(op, *inputs[form][:1], copies, ids, *inputs[form][1:], calls))
+            a, b, c, portable = (statistics.median(times[form]) for form in inputs)
             results.append({"matrix": name, "N": N, "K": K, "experts": E, "tokens": tokens, "rows": rows,
                             "fp32_us": round(a, 1), "int8_us": round(b, 1), "bf16_us": round(c, 1),
+                            "portable_us": round(portable, 1),
                             "speedup": round(a / b, 3), "speedup_bf16": round(a / c, 3),
+                            "speedup_vs_portable": round(portable / a, 3),
                             "weight_GBps_fp32": round(touched / a / 1e3, 2),
                             "weight_GBps_int8": round(touched / b / 1e3, 2),
                             "weight_GBps_bf16": round(touched / c / 1e3, 2),
@@ -207,6 +212,7 @@ def kernel_bench(cfg: ModelConfig, preset: str, repeats: int, seed: int) -> None
                                             for x, y in zip(times["fp32"], times["bf16"], strict=True)]})
             print(json.dumps(results[-1]), flush=True)
     print(json.dumps({"bench": "mxfp4-kernel", "preset": preset,
+                      "path": "avx512" if has_avx512() else "avx2" if has_avx2() else "portable",
                       "vnni": has_vnni(), "bf16_path": "amx" if has_amx() else "fma",
                       "threads": torch.get_num_threads(), "torch": torch.__version__,
                       "repeats": repeats, "read_GBps": round(read, 2), "results": results}))

@@ -1,11 +1,13 @@
 """The fused MXFP4 kernel (horizon.quant.kernels): it computes what dequantise-then-matmul computes, on its code
-paths (AVX-512, portable, and AMX tiles for bf16 activations), for every routing pattern and edge case of the
+paths (AVX-512, AVX2, portable, and AMX tiles for bf16 activations), for every routing pattern and edge case of the
 format; the MXFP4 modules built on it match their reference paths; torch.compile sees it as one opaque op; and
 a missing or disabled kernel falls back to the reference with one warning."""
 
 import fnmatch
 import logging
 import os
+import subprocess
+import sys
 import tomllib
 from pathlib import Path
 
@@ -22,7 +24,9 @@ from horizon.quant.kernels import kernel_available, mxfp4_expert_matmul, mxfp4_e
 DISABLED = os.environ.get("HORIZON_KERNELS", "1").strip() == "0"
 pytestmark = pytest.mark.skipif(DISABLED, reason="HORIZON_KERNELS=0: the kernel is disabled")
 CPU_FLAGS = set(Path("/proc/cpuinfo").read_text().split()) if Path("/proc/cpuinfo").exists() else set()
-PATHS = [pytest.param(False, id="avx512"), pytest.param(True, id="portable")]
+# "simd": the CPU's vector path (AVX-512, else AVX2, else portable); "portable": the portable C++ path
+PATHS = [pytest.param(False, id="simd"), pytest.param(True, id="portable")]
+NO_AVX512 = os.environ.get("HORIZON_AVX512") == "0"
 
 
 def kernel(x, blocks, scales, expert, portable):
@@ -42,10 +46,25 @@ def packed(E, N, K, seed=0):
     return quantize(torch.randn(E, N, K, generator=gen) * torch.rand(E, N, 1, generator=gen) * 4)
 
 
-def test_the_kernel_builds_and_this_cpu_takes_the_avx512_path():
+def test_the_kernel_builds_and_this_cpu_takes_its_vector_path():
     assert kernel_available()
-    if {"avx512f", "avx512bw"} <= CPU_FLAGS:
-        assert kernels.has_avx512()
+    avx512 = {"avx512f", "avx512bw"} <= CPU_FLAGS and not NO_AVX512
+    assert kernels.has_avx512() == avx512
+    assert kernels.has_avx2() == (not avx512 and {"avx2", "fma"} <= CPU_FLAGS)
+
+
+@pytest.mark.skipif(not {"avx512f", "avx512bw", "avx2", "fma"} <= CPU_FLAGS or NO_AVX512,
+                    reason="needs a CPU with AVX-512 (elsewhere the other tests run the AVX2 path where it is)")
+def test_the_avx2_paths_pass_the_same_checks_on_this_avx512_cpu():
+    """HORIZON_AVX512=0 sends every kernel to its AVX2 path, which an AVX-512 CPU would otherwise never run: this
+    module's and the rows kernel's checks of the vector paths, again in a process that takes them."""
+    root = Path(__file__).resolve().parent.parent
+    run = subprocess.run(
+        [sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", "-k", "simd or vector_path",
+         "tests/test_mxfp4_kernel.py", "tests/test_rows_kernel.py"],
+        cwd=root, env={**os.environ, "HORIZON_AVX512": "0"}, capture_output=True, text=True, timeout=600)
+    assert run.returncode == 0, run.stdout[-3000:] + run.stderr[-2000:]
+    assert " passed" in run.stdout and " failed" not in run.stdout
 
 
 @pytest.mark.parametrize("portable", PATHS)

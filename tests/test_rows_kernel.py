@@ -1,8 +1,8 @@
 """The few-rows matmul kernel (horizon/quant/kernels/rows.cpp): it computes x @ W^T in fp32 for fp32, bf16 and
-int8 weights, one matrix or stacked experts, on both code paths (AVX-512 and portable) and, for bf16 x against
-bf16 weights, on AMX tiles where the CPU has them (`HORIZON_AMX=0` turns that off); the compiled decode
-step's graph pass routes batched projections to it (and leaves one-row and large products alone); the dense
-experts' sync-free form built on it equals the eager dispatch."""
+int8 weights, one matrix or stacked experts, on the CPU's vector path (AVX-512, else AVX2) and the portable one
+and, for bf16 x against bf16 weights, on AMX tiles where the CPU has them (`HORIZON_AMX=0` turns that off); the
+compiled decode step's graph pass routes batched projections to it (and leaves one-row and large products
+alone); the dense experts' sync-free form built on it equals the eager dispatch."""
 
 import os
 import subprocess
@@ -28,7 +28,8 @@ from tests.conftest import rows_matmul_calls
 
 DISABLED = os.environ.get("HORIZON_KERNELS", "1").strip() == "0"
 pytestmark = pytest.mark.skipif(DISABLED, reason="HORIZON_KERNELS=0: the kernel is disabled")
-PATHS = [pytest.param(False, id="avx512"), pytest.param(True, id="portable")]
+# "simd": the CPU's vector path (AVX-512, else AVX2, else portable); "portable": the portable C++ path
+PATHS = [pytest.param(False, id="simd"), pytest.param(True, id="portable")]
 DTYPES = [torch.float32, torch.bfloat16, torch.int8]
 
 
@@ -247,8 +248,10 @@ def test_the_graph_pass_routes_few_row_projections_to_the_kernel():
     out, calls = compiled_calls(half, xb)  # bf16 weights, 4 rows: the kernel, rounded back to bf16
     assert calls == 2 and out.dtype == torch.bfloat16
     torch.testing.assert_close(out.float(), half(xb).float(), rtol=2e-2, atol=2e-2)
-    # bf16 past 8 rows: the kernel where it runs on AMX tiles (up to 64 rows), else oneDNN's matmul, faster there
+    # bf16 past 8 rows: the kernel where it runs on AMX tiles or its AVX2 path (up to 64 rows), else oneDNN's
+    # matmul, faster there
+    wide = has_amx() or kernels.has_avx2()
     _, calls = compiled_calls(lambda a: F.linear(a, half[0].weight), torch.randn(16, 64).bfloat16())
-    assert calls == (1 if has_amx() else 0) and few_rows(torch.bfloat16) == (64 if has_amx() else 8)
+    assert calls == (1 if wide else 0) and few_rows(torch.bfloat16) == (64 if wide else 8)
     _, calls = compiled_calls(lambda a: F.linear(a, half[0].weight), torch.randn(65, 64).bfloat16())
     assert calls == 0

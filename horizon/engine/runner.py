@@ -127,7 +127,7 @@ class FewRowMatmuls(CustomGraphPass):
         from horizon.quant.kernels import _source_hash
 
         # the compiled graphs cached by inductor depend on this pass, on the kernel it calls, and on the row limits
-        # this CPU gets (few_rows: bf16 up to 64 rows with AMX, 8 without)
+        # this CPU gets (few_rows: bf16 up to 64 rows with AMX or on the AVX2 path, 8 otherwise)
         limits = repr([few_rows(dtype) for dtype in FEW_ROWS])
         return hashlib.sha256(inspect.getsource(FewRowMatmuls).encode() + _source_hash().encode()
                               + limits.encode()).hexdigest()

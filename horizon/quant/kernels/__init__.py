@@ -200,9 +200,10 @@ _avx512: bool | None = None  # has_avx512(), once asked outside a compiled graph
 
 
 def has_avx512() -> bool:
-    """Whether the kernel runs its AVX-512 path on this CPU (False when the kernel is unavailable). Asked once per
-    process; a graph being compiled reads the answer as a constant (and, if nothing asked yet, gets False: the
-    references, which trace, instead of a query dynamo cannot trace)."""
+    """Whether the kernel runs its AVX-512 path on this CPU (False when the kernel is unavailable, and under
+    HORIZON_AVX512=0, which sends every kernel to its AVX2 or portable path). Asked once per process; a graph being
+    compiled reads the answer as a constant (and, if nothing asked yet, gets False: the references, which trace,
+    instead of a query dynamo cannot trace)."""
     global _avx512
     if _avx512 is None:
         if torch.compiler.is_compiling():
@@ -218,11 +219,18 @@ def has_amx() -> bool:
     return kernel_available() and bool(torch.ops.horizon_kernels.has_amx())
 
 
+def has_avx2() -> bool:
+    """Whether the kernels run their AVX2 paths here: AVX2 and FMA without AVX-512 (or with HORIZON_AVX512=0)."""
+    return kernel_available() and bool(torch.ops.horizon_kernels.has_avx2())
+
+
 def few_rows(dtype: torch.dtype) -> int:
-    """FEW_ROWS for weights of `dtype` on this CPU: bf16 up to 64 rows where the AMX path runs (bf16 activations
-    against bf16 weights from 8 rows: 1.49-1.58x oneDNN's bf16 matmul at 16 rows of `small`'s shapes, cold
-    weights, 2 threads, bench/rows.py), 0 for a dtype the kernel does not take."""
-    if dtype == torch.bfloat16 and has_amx():
+    """FEW_ROWS for weights of `dtype` on this CPU, 0 for a dtype the kernel does not take. bf16 goes up to 64 rows
+    - where the AMX path runs (bf16 activations against bf16 weights from 8 rows: 1.49-1.58x oneDNN's bf16
+      matmul at 16 rows of `small`'s shapes, cold weights, 2 threads, bench/rows.py);
+    - where the AVX2 path runs: oneDNN has no bf16 hardware to use there, and [16 | 64 x 512] against cold bf16
+      [512 x 512] took 525 / 2,231 us in F.linear, 90 / 301 in the kernel (a Zen 3 EPYC, 2 threads)."""
+    if dtype == torch.bfloat16 and (has_amx() or has_avx2()):
         return 64
     return FEW_ROWS.get(dtype, 0)
 

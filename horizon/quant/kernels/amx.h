@@ -14,6 +14,8 @@
 #include <immintrin.h>
 #include <sys/syscall.h>
 #include <unistd.h>
+
+#include "simd.h"
 #define HZ_AMX_TARGET __attribute__((target("avx512f,avx512bw,amx-tile,amx-bf16")))
 #else
 #define HZ_HAS_AMX_CODE 0
@@ -31,8 +33,7 @@ inline bool amx_usable() {
   static const bool ok = [] {
     const char* env = std::getenv("HORIZON_AMX");
     if (env != nullptr && std::strcmp(env, "0") == 0) return false;
-    if (!__builtin_cpu_supports("amx-tile") || !__builtin_cpu_supports("amx-bf16") ||
-        !__builtin_cpu_supports("avx512bw"))
+    if (!__builtin_cpu_supports("amx-tile") || !__builtin_cpu_supports("amx-bf16") || !hz::cpu_has_avx512())
       return false;
     constexpr long kArchReqXcompPerm = 0x1023, kXfeatureXtiledata = 18;
     return syscall(SYS_arch_prctl, kArchReqXcompPerm, kXfeatureXtiledata) == 0;

@@ -16,6 +16,8 @@
 #if (defined(__GNUC__) || defined(__clang__)) && (defined(__x86_64__) || defined(__i386__))
 #define HZ_ARGMAX_AVX512 1
 #include <immintrin.h>
+
+#include "simd.h"
 #else
 #define HZ_ARGMAX_AVX512 0
 #endif
@@ -41,8 +43,7 @@ int64_t row_portable(const float* p, int64_t V) { return std::isnan(p[0]) ? 0 : 
 #if HZ_ARGMAX_AVX512
 
 bool argmax_cpu_has_avx512() {
-  static const bool has = __builtin_cpu_supports("avx512f");
-  return has;
+  return hz::cpu_has_avx512();
 }
 
 // Lane j keeps the largest value among elements j, j + 16, ... and the first index it was seen at (strict

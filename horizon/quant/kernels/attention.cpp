@@ -109,8 +109,7 @@ void chunk_portable(const Problem& P, int64_t b, int64_t i0, int64_t i1, int64_t
 #define HZ_AVX512 __attribute__((target("avx512f")))
 
 bool cpu_has_avx512f() {
-  static const bool has = __builtin_cpu_supports("avx512f");
-  return has;
+  return hz::cpu_has_avx512();
 }
 
 // 16 vectors -> one vector whose lanes hold their 16 horizontal sums, in the order TREE_LANE gives: four

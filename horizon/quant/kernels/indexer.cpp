@@ -25,6 +25,8 @@
 
 #if defined(__x86_64__) || defined(_M_X64)
 #include <immintrin.h>
+
+#include "simd.h"
 #define HZ_X86 1
 #endif
 
@@ -54,8 +56,7 @@ void rows_portable(const float* keys, int64_t n, const float* qt, const float* w
 #define HZ_AVX512 __attribute__((target("avx512f")))
 
 bool cpu_has_avx512f() {
-  static const bool has = __builtin_cpu_supports("avx512f");
-  return has;
+  return hz::cpu_has_avx512();
 }
 
 // `ahead` (or nullptr): the next block's keys, fetched into the cache a row for each row scored here (rows read

@@ -80,8 +80,7 @@ using HeadFn = void (*)(const Step&, int64_t, int64_t);
 #if HZ_KDA_AVX512
 
 bool kda_cpu_has_avx512() {
-  static const bool has = __builtin_cpu_supports("avx512f");
-  return has;
+  return hz::cpu_has_avx512();
 }
 
 // d_v = 16 * NV: a row of S is NV registers; u and o stay in registers for the whole head.

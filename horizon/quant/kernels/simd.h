@@ -1,10 +1,32 @@
-// AVX-512 pieces more than one kernel uses: the exponential of non-positive arguments (attention.cpp's
-// softmax, kda.cpp's decayed scores). Included inside each source's own #if for x86 code.
+// What more than one kernel uses on x86: which vector paths this CPU takes, and the AVX-512 exponential of
+// non-positive arguments (attention.cpp's softmax, kda.cpp's decayed scores). Included inside each source's
+// own #if for x86 code.
 #pragma once
 
 #include <immintrin.h>
 
+#include <cstdlib>
+#include <cstring>
+
 namespace hz {
+
+// Whether the AVX-512 paths run (F and BW), asked once per process. HORIZON_AVX512=0 sends every kernel to its
+// AVX2 or portable path as if the CPU lacked AVX-512 (AMX included): to compare the paths, and to test the
+// AVX2 ones on an AVX-512 machine.
+inline bool cpu_has_avx512() {
+  static const bool has = [] {
+    const char* env = std::getenv("HORIZON_AVX512");
+    if (env != nullptr && std::strcmp(env, "0") == 0) return false;
+    return __builtin_cpu_supports("avx512f") && __builtin_cpu_supports("avx512bw");
+  }();
+  return has;
+}
+
+// AVX2 with FMA (every x86-64 server core since Haswell and Zen 1): the kernels' 8-lane paths.
+inline bool cpu_has_avx2() {
+  static const bool has = __builtin_cpu_supports("avx2") && __builtin_cpu_supports("fma");
+  return has;
+}
 
 // exp(x) for x <= 0, relative error ~2e-7: Cody-Waite reduction by ln 2 and a degree-6 polynomial (Cephes'
 // expf); below -87 it returns ~1e-38 instead of underflowing (callers zero the lanes they do not want, or

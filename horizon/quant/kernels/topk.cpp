@@ -31,6 +31,8 @@
 
 #if defined(__x86_64__) || defined(_M_X64)
 #include <immintrin.h>
+
+#include "simd.h"
 #define HZ_X86 1
 #endif
 
@@ -80,8 +82,7 @@ int64_t candidates_portable(const float* s, int64_t L, uint32_t t, std::vector<u
 #define HZ_AVX512 __attribute__((target("avx512f")))
 
 bool cpu_has_avx512f() {
-  static const bool has = __builtin_cpu_supports("avx512f");
-  return has;
+  return hz::cpu_has_avx512();
 }
 
 HZ_AVX512 int64_t candidates_avx512(const float* s, int64_t L, uint32_t t, Scratch& w) {
