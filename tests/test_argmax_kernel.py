@@ -13,7 +13,8 @@ from horizon.quant.kernels import argmax_rows, kernel_available
 
 DISABLED = os.environ.get("HORIZON_KERNELS", "1").strip() == "0"
 pytestmark = pytest.mark.skipif(DISABLED, reason="HORIZON_KERNELS=0: the kernel is disabled")
-PATHS = [pytest.param(False, id="avx512"), pytest.param(True, id="portable")]
+# "simd": the CPU's vector path; "portable": the portable C++ path
+PATHS = [pytest.param(False, id="simd"), pytest.param(True, id="portable")]
 
 
 def kernel(x, portable):

@@ -17,7 +17,8 @@ from horizon.model.dsa import paged_latent_attention, paged_latent_attention_ref
 from tests.conftest import tiny_model
 
 DISABLED = os.environ.get("HORIZON_KERNELS", "1").strip() == "0"
-PATHS = [pytest.param(False, id="avx512"), pytest.param(True, id="portable")]
+# "simd": the CPU's vector path; "portable": the portable C++ path
+PATHS = [pytest.param(False, id="simd"), pytest.param(True, id="portable")]
 
 
 def problem(B, H, W, bs, L, seed=0):

@@ -16,7 +16,8 @@ from horizon.model.dsa import decode_index_scores, paged_index_scores, paged_ind
 from tests.conftest import tiny_model
 
 DISABLED = os.environ.get("HORIZON_KERNELS", "1").strip() == "0"
-PATHS = [pytest.param(False, id="avx512"), pytest.param(True, id="portable")]
+# "simd": the CPU's vector path; "portable": the portable C++ path
+PATHS = [pytest.param(False, id="simd"), pytest.param(True, id="portable")]
 
 
 def problem(B, H, d, bs, L, seed=0):

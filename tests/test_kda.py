@@ -191,7 +191,7 @@ def test_decode_reference_is_the_recurrent_step_on_gathered_states():
 
 
 @needs_kernels
-@pytest.mark.parametrize("portable", [False, True])
+@pytest.mark.parametrize("portable", [pytest.param(False, id="simd"), pytest.param(True, id="portable")])
 @pytest.mark.parametrize("K, V", [(64, 64), (16, 32), (32, 16), (8, 128), (12, 24)])  # 24: no AVX-512 width
 def test_decode_kernel_equals_reference_in_place(portable, K, V):
     """The kernel's outputs and updated states equal the reference's (fp32 summation order apart), only the

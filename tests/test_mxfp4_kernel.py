@@ -56,12 +56,14 @@ def test_the_kernel_builds_and_this_cpu_takes_its_vector_path():
 @pytest.mark.skipif(not {"avx512f", "avx512bw", "avx2", "fma"} <= CPU_FLAGS or NO_AVX512,
                     reason="needs a CPU with AVX-512 (elsewhere the other tests run the AVX2 path where it is)")
 def test_the_avx2_paths_pass_the_same_checks_on_this_avx512_cpu():
-    """HORIZON_AVX512=0 sends every kernel to its AVX2 path, which an AVX-512 CPU would otherwise never run: this
-    module's and the rows kernel's checks of the vector paths, again in a process that takes them."""
+    """HORIZON_AVX512=0 sends every kernel to its AVX2 path, which an AVX-512 CPU would otherwise never run: the
+    kernels' checks of their vector paths (MXFP4, rows, decode attention, indexer, KDA decode), again in a process
+    that takes them."""
     root = Path(__file__).resolve().parent.parent
     run = subprocess.run(
         [sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", "-k", "simd or vector_path",
-         "tests/test_mxfp4_kernel.py", "tests/test_rows_kernel.py"],
+         "tests/test_mxfp4_kernel.py", "tests/test_rows_kernel.py", "tests/test_attention_kernel.py",
+         "tests/test_indexer_kernel.py", "tests/test_kda.py"],
         cwd=root, env={**os.environ, "HORIZON_AVX512": "0"}, capture_output=True, text=True, timeout=600)
     assert run.returncode == 0, run.stdout[-3000:] + run.stderr[-2000:]
     assert " passed" in run.stdout and " failed" not in run.stdout
@@ -381,6 +383,21 @@ def test_cache_dir_and_packaging(monkeypatch):
     for source in kernels.SOURCES + kernels.HEADERS:
         assert source.exists() and source.parent.name == "kernels", source
         assert any(fnmatch.fnmatch(f"kernels/{source.name}", glob) for glob in globs), (source.name, globs)
+
+
+def test_a_lock_left_by_a_stopped_build_is_removed_and_builds_exclude_each_other(tmp_path, caplog):
+    """torch's load() waits for its `lock` file as long as it exists; one left by a killed build made every later
+    process hang. Inside _build_lock (an flock the OS drops with its holder) such a file is removed."""
+    import fcntl
+
+    (tmp_path / "lock").touch()
+    with caplog.at_level(logging.WARNING, logger="horizon.quant.kernels"), kernels._build_lock(tmp_path):
+        assert not (tmp_path / "lock").exists()
+        assert "stopped before it finished" in caplog.text
+        with open(tmp_path / "horizon-build.lock") as other, pytest.raises(BlockingIOError):
+            fcntl.flock(other, fcntl.LOCK_EX | fcntl.LOCK_NB)  # a second builder waits for this one
+    with open(tmp_path / "horizon-build.lock") as other:
+        fcntl.flock(other, fcntl.LOCK_EX | fcntl.LOCK_NB)  # released on leaving
 
 
 def test_gradients_flow_through_the_kernel_to_x():

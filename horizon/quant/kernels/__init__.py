@@ -36,6 +36,7 @@ and on other devices, the op takes the reference.
 
 from __future__ import annotations
 
+import contextlib
 import hashlib
 import logging
 import os
@@ -88,6 +89,30 @@ def _ensure_ninja_on_path() -> None:
     os.environ["PATH"] = ninja.BIN_DIR + os.pathsep + os.environ.get("PATH", "")
 
 
+@contextlib.contextmanager
+def _build_lock(directory: Path):
+    """Held while this process builds into `directory`: an flock, which the OS releases when its holder dies.
+    torch's load() guards a build with a plain `lock` file instead, and a process killed mid-build leaves it
+    behind: every later process then waited for it forever, silently (seen here when a benchmark was stopped
+    during its first build). Whoever holds the flock is the only Horizon process building there, so a `lock`
+    file found then is such a leftover and is removed."""
+    try:
+        import fcntl
+    except ImportError:  # not POSIX: torch's own lock file alone
+        yield
+        return
+    with open(directory / "horizon-build.lock", "w") as f:
+        fcntl.flock(f, fcntl.LOCK_EX)
+        try:
+            stale = directory / "lock"
+            if stale.exists():
+                log.warning("removing %s, left by a kernel build that was stopped before it finished", stale)
+                stale.unlink(missing_ok=True)
+            yield
+        finally:
+            fcntl.flock(f, fcntl.LOCK_UN)
+
+
 def _build() -> None:
     from torch.utils import cpp_extension  # imported here: costs nothing until a kernel is wanted
 
@@ -99,9 +124,10 @@ def _build() -> None:
         # ATen's parallel_for is OpenMP pragmas in a header: without -fopenmp it would run on one thread
         cflags.append("-fopenmp")
         ldflags.append("-fopenmp")
-    cpp_extension.load(name=f"horizon_kernels_{_source_hash()}", sources=[str(s) for s in SOURCES], extra_cflags=cflags,
-                       extra_ldflags=ldflags, build_directory=str(directory), is_python_module=False,
-                       verbose=False)
+    with _build_lock(directory):
+        cpp_extension.load(name=f"horizon_kernels_{_source_hash()}", sources=[str(s) for s in SOURCES],
+                           extra_cflags=cflags, extra_ldflags=ldflags, build_directory=str(directory),
+                           is_python_module=False, verbose=False)
 
 
 def _register_fakes() -> None:

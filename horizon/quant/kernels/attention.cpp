@@ -62,7 +62,7 @@ struct Problem {
 // Sequence b's visible rows among its positions i0 .. i1 - 1, in order: calls f(row) for each. Dense positions
 // resolve their block once per block (a division per row costs as much as a row's scores at small widths).
 template <typename F>
-inline void for_each_row(const Problem& P, int64_t b, int64_t i0, int64_t i1, int64_t len, F&& f) {
+__attribute__((always_inline)) inline void for_each_row(const Problem& P, int64_t b, int64_t i0, int64_t i1, int64_t len, F&& f) {
   if (P.idx) {
     for (int64_t i = i0; i < i1; ++i)
       if (const float* r = P.row(b, P.idx[b * P.n + i], len)) f(r);
@@ -83,27 +83,49 @@ struct Partial {  // one chunk's softmax state per head: max m, sum l, unnormali
   float* acc;
 };
 
-// The portable path (and the reference for the vector one): one row at a time, scalar online softmax.
-void chunk_portable(const Problem& P, int64_t b, int64_t i0, int64_t i1, int64_t len, const float* q, Partial s) {
-  for_each_row(P, b, i0, i1, len, [&](const float* r) {
-    for (int64_t h = 0; h < P.H; ++h) {
-      const float* qh = q + h * P.W;
-      float dot = 0.0f;
-      for (int64_t j = 0; j < P.W; ++j) dot += r[j] * qh[j];
-      const float sc = dot * P.scale;
-      float* acc = s.acc + h * P.V;
-      if (sc > s.m[h]) {  // a new maximum: rescale what is there (exp(-inf) = 0 on the first row)
-        const float c = std::exp(s.m[h] - sc);
-        s.l[h] *= c;
-        for (int64_t j = 0; j < P.V; ++j) acc[j] *= c;
-        s.m[h] = sc;
-      }
-      const float e = std::exp(sc - s.m[h]);
-      s.l[h] += e;
-      for (int64_t j = 0; j < P.V; ++j) acc[j] += e * r[j];
+// The portable path (and the reference for the vector ones): one row at a time, scalar online softmax. Its body
+// is compiled twice: as chunk_portable (SSE2 at most: the kernels are built without -march) and, on x86, as
+// chunk_avx2 for CPUs with AVX2 and FMA but no AVX-512 (everything inlined into it, so GCC vectorises the
+// row's dot products, 32 explicit partial sums, and the output updates on 8 lanes). With the dot products as
+// one serial sum each, the portable path took ~1.6 ms a DSA layer for 16 sequences of ~140 tokens on a Zen 3
+// EPYC (2 threads), where the AVX-512 kernel takes ~0.2 ms at 16 x 256 on a Xeon.
+__attribute__((always_inline)) inline void row_update(const Problem& P, const float* r, const float* q, Partial s) {
+  for (int64_t h = 0; h < P.H; ++h) {
+    const float* qh = q + h * P.W;
+    float part[32] = {0.0f};  // four vectors of partial sums on AVX2: four FMA chains, not one
+    int64_t j = 0;
+    for (; j + 32 <= P.W; j += 32)
+      for (int u = 0; u < 32; ++u) part[u] += r[j + u] * qh[j + u];
+    float dot = 0.0f;
+    for (; j < P.W; ++j) dot += r[j] * qh[j];
+    // the partial sums folded as a tree (vector adds), not one serial chain of 32 scalar adds
+    for (int width = 16; width >= 1; width /= 2)
+      for (int u = 0; u < width; ++u) part[u] += part[u + width];
+    dot += part[0];
+    const float sc = dot * P.scale;
+    float* acc = s.acc + h * P.V;
+    if (sc > s.m[h]) {  // a new maximum: rescale what is there (exp(-inf) = 0 on the first row)
+      const float c = std::exp(s.m[h] - sc);
+      s.l[h] *= c;
+      for (int64_t k = 0; k < P.V; ++k) acc[k] *= c;
+      s.m[h] = sc;
     }
-  });
+    const float e = std::exp(sc - s.m[h]);
+    s.l[h] += e;
+    for (int64_t k = 0; k < P.V; ++k) acc[k] += e * r[k];
+  }
 }
+
+void chunk_portable(const Problem& P, int64_t b, int64_t i0, int64_t i1, int64_t len, const float* q, Partial s) {
+  for_each_row(P, b, i0, i1, len, [&](const float* r) __attribute__((always_inline)) { row_update(P, r, q, s); });
+}
+
+#ifdef HZ_X86
+__attribute__((target("avx2,fma"))) void chunk_avx2(const Problem& P, int64_t b, int64_t i0, int64_t i1, int64_t len,
+                                                     const float* q, Partial s) {
+  for_each_row(P, b, i0, i1, len, [&](const float* r) __attribute__((always_inline)) { row_update(P, r, q, s); });
+}
+#endif
 
 #ifdef HZ_X86
 #define HZ_AVX512 __attribute__((target("avx512f")))
@@ -271,6 +293,9 @@ at::Tensor latent_attention_paged(const at::Tensor& pool, const at::Tensor& tabl
   const float* Q = qc.data_ptr<float>();
   const int64_t* lp = lc.data_ptr<int64_t>();
   const bool avx512 = !force_portable && cpu_has_avx512f();
+#ifdef HZ_X86
+  const bool avx2 = !force_portable && !avx512 && hz::cpu_has_avx2();
+#endif
   at::parallel_for(0, items, 1, [&](int64_t t0, int64_t t1) {
     std::vector<float> probs(avx512 ? H * 16 : 0), zeros(avx512 ? W : 0, 0.0f);
     for (int64_t t = t0; t < t1; ++t) {
@@ -279,6 +304,10 @@ at::Tensor latent_attention_paged(const at::Tensor& pool, const at::Tensor& tabl
 #ifdef HZ_X86
       if (avx512) {
         chunk_avx512(P, b, i0, i1, lp[b], Q + b * H * W, s, probs, zeros);
+        continue;
+      }
+      if (avx2) {
+        chunk_avx2(P, b, i0, i1, lp[b], Q + b * H * W, s);
         continue;
       }
 #endif
