@@ -529,6 +529,21 @@ def test_mxfp4_modules_with_int8_activations_match_their_reference_paths():
     assert_matches(m.sync_free(x, weights, idx), exact)
 
 
+def test_int8_activations_warn_where_the_cpu_lacks_vnni(monkeypatch, caplog):
+    """Their speed is AVX-512 VNNI's; elsewhere the kernel's portable path runs them, several times slower than fp32
+    activations: asking for them there says so once, at load time."""
+    from horizon.quant import set_int8_activations
+
+    holder = nn.Sequential(random_experts()[1])
+    for vnni in (True, False):
+        monkeypatch.setattr(kernels, "has_vnni", lambda vnni=vnni: vnni)
+        caplog.clear()
+        with caplog.at_level(logging.WARNING, logger="horizon.quant.layers"):
+            set_int8_activations(holder)
+            set_int8_activations(holder, False)  # turning them off never warns
+        assert ("no AVX-512 VNNI" in caplog.text) == (not vnni), caplog.text
+
+
 @torch.no_grad()
 def test_int8_activations_at_load_time_and_from_the_cli():
     from horizon.checkpoint import open_model

@@ -20,6 +20,8 @@ encoder, which runs once per image).
 
 from __future__ import annotations
 
+import logging
+
 import torch
 import torch.nn.functional as F
 from torch import nn
@@ -29,6 +31,8 @@ from horizon.model.kda import KimiDeltaAttention
 from horizon.model.moe import Experts, expert_loads, local_assignments
 from horizon.quant.kernels import mxfp4_kernel_runs_on, mxfp4_matmul, round_activations
 from horizon.quant.mxfp4 import BLOCK, BLOCK_BYTES, dequantize, quantize
+
+log = logging.getLogger(__name__)
 
 # The attention projections `quantize_model(attention=True)` stores as MXFP4: the big q/k/v/output
 # matrices. Left in full precision: KDA's f_a/f_b (the decay, its forget gate), b_proj (beta) and
@@ -244,9 +248,16 @@ def set_int8_activations(model: nn.Module, on: bool = True) -> int:
     """Switch every MXFP4 module of `model` (experts and linears) to int8 activations (or back); returns how
     many there are. A load-time choice (`horizon.load(..., mxfp4_activations="int8")`, `horizon serve
     --mxfp4-activations int8`): set it before a compiled graph is built, which bakes it in."""
+    from horizon.quant import kernels
+
     modules = [m for m in model.modules() if isinstance(m, (MXFP4Experts, MXFP4Linear))]
     for m in modules:
         m.int8_activations = on
+    if on and modules and kernels.kernel_available() and not kernels.has_vnni():
+        # its speed is AVX-512 VNNI's; elsewhere it runs the kernel's portable C++, which bench/mxfp4.py --kernel
+        # measured 6-15x slower than fp32 activations on an AVX2 CPU (a Zen 3 EPYC, 2 threads)
+        log.warning("int8 activations for the MXFP4 layers: this CPU has no AVX-512 VNNI, so they run the "
+                    "kernel's portable path, several times slower than the default fp32 activations")
     return len(modules)
 
 
