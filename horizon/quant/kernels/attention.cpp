@@ -62,7 +62,8 @@ struct Problem {
 // Sequence b's visible rows among its positions i0 .. i1 - 1, in order: calls f(row) for each. Dense positions
 // resolve their block once per block (a division per row costs as much as a row's scores at small widths).
 template <typename F>
-__attribute__((always_inline)) inline void for_each_row(const Problem& P, int64_t b, int64_t i0, int64_t i1, int64_t len, F&& f) {
+__attribute__((always_inline)) inline void for_each_row(const Problem& P, int64_t b, int64_t i0, int64_t i1,
+                                                       int64_t len, F&& f) {
   if (P.idx) {
     for (int64_t i = i0; i < i1; ++i)
       if (const float* r = P.row(b, P.idx[b * P.n + i], len)) f(r);

@@ -33,8 +33,8 @@
 namespace {
 
 // One row's score: heads in lanes, any H (the portable path, and the reference for the vector ones).
-__attribute__((always_inline)) inline float row_score_portable(const float* key, const float* qt, const float* w, int64_t d, int64_t H,
-                                float* acc) {
+__attribute__((always_inline)) inline float row_score_portable(const float* key, const float* qt, const float* w,
+                                                              int64_t d, int64_t H, float* acc) {
   std::fill(acc, acc + H, 0.0f);
   for (int64_t j = 0; j < d; ++j) {
     const float kj = key[j];

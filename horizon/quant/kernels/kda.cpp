@@ -12,10 +12,11 @@
 // this project's 2-core machine, against ~60 us for one read and one write of those 2 MB. Here each (sequence,
 // head) state is read once into L1 (16 KB), updated, and written back once.
 //
-// Rows of S are d_v wide: the AVX-512 path takes d_v of 16, 32, 64 or 128 and keeps u and o in registers;
-// portable C++ otherwise (the same sums in the same order; the AVX-512 path fuses each multiply-add, so the two
-// differ in the last bits, as either does from the reference's summation order). Work is parallel over
-// (slot, head) pairs; sequences that share a slot (the engine's padding rows) update it in batch order.
+// Rows of S are d_v wide: the AVX-512 path takes d_v of 16, 32, 64 or 128 and keeps u and o in registers; on
+// CPUs without it the portable code runs compiled for AVX2 (head_avx2), else as it is (the same sums in the same
+// order; the AVX-512 and AVX2 paths fuse each multiply-add, so they differ from it in the last bits, as each does
+// from the reference's summation order). Work is parallel over (slot, head) pairs; sequences that share a slot
+// (the engine's padding rows) update it in batch order.
 
 #include <ATen/ATen.h>
 #include <ATen/Parallel.h>
@@ -83,15 +84,16 @@ void head_portable(const Step& p, int64_t b, int64_t h, float* u) { head_body(p,
 __attribute__((target("avx2,fma"))) void head_avx2(const Step& p, int64_t b, int64_t h, float* u) {
   head_body(p, b, h, u);
 }
+#else
+void head_avx2(const Step& p, int64_t b, int64_t h, float* u) { head_body(p, b, h, u); }
 #endif
 
 using HeadFn = void (*)(const Step&, int64_t, int64_t);
 
 #if HZ_KDA_AVX512
 
-bool kda_cpu_has_avx512() {
-  return hz::cpu_has_avx512();
-}
+bool kda_cpu_has_avx512() { return hz::cpu_has_avx512(); }
+bool kda_cpu_has_avx2() { return hz::cpu_has_avx2(); }
 
 // d_v = 16 * NV: a row of S is NV registers; u and o stay in registers for the whole head.
 template <int NV>
@@ -358,6 +360,7 @@ ChunkedFn chunked_head_for(int64_t K) {
 #else
 
 bool kda_cpu_has_avx512() { return false; }
+bool kda_cpu_has_avx2() { return false; }
 HeadFn head_avx512_for(int64_t) { return nullptr; }
 using ChunkedFn = void (*)();
 ChunkedFn chunked_head_for(int64_t) { return nullptr; }
@@ -403,11 +406,7 @@ at::Tensor kda_decode_(at::Tensor& state, const at::Tensor& slot_, const at::Ten
   Step p{state.data_ptr<float>(), sp, q.data_ptr<float>(), k.data_ptr<float>(), v.data_ptr<float>(),
          alpha.data_ptr<float>(), beta.data_ptr<float>(), out.data_ptr<float>(), H, K, V, static_cast<float>(scale)};
   const HeadFn fast = force_portable || !kda_cpu_has_avx512() ? nullptr : head_avx512_for(V);
-#if HZ_KDA_AVX512
-  const bool avx2 = !force_portable && fast == nullptr && hz::cpu_has_avx2();
-#else
-  const bool avx2 = false;
-#endif
+  const bool avx2 = !force_portable && fast == nullptr && kda_cpu_has_avx2();
   // one work item per (slot, head): no two threads touch the same state
   at::parallel_for(0, G * H, 1, [&](int64_t i0, int64_t i1) {
     std::vector<float> u(V);
@@ -418,9 +417,7 @@ at::Tensor kda_decode_(at::Tensor& state, const at::Tensor& slot_, const at::Ten
         if (fast) {
           fast(p, by_slot.row_of[j], h);
         } else if (avx2) {
-#if HZ_KDA_AVX512
           head_avx2(p, by_slot.row_of[j], h, u.data());
-#endif
         } else {
           head_portable(p, by_slot.row_of[j], h, u.data());
         }

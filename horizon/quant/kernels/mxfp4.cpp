@@ -23,8 +23,10 @@
 //   which balances however the tokens are routed.
 // - Rows of x that are all bf16 (a bf16 model's), 3 or more to an expert, on AMX tiles where the CPU has them
 //   (the AMX path below; HORIZON_AMX=0 turns it off).
-// - The AVX-512 functions carry __attribute__((target(...))) so the file builds with no -march flag;
-//   the choice is made at run time (__builtin_cpu_supports), with a portable C++ path otherwise.
+// - AVX2 (CPUs without AVX-512): the same fused and buffered forms on 8 lanes, the decode through byte shuffles
+//   (the AVX2 path below).
+// - The AVX-512 and AVX2 functions carry __attribute__((target(...))) so the file builds with no -march flag;
+//   the choice is made at run time (hz::cpu_has_avx512 / cpu_has_avx2), with a portable C++ path otherwise.
 //
 // Opt-in int8 activations (int8_activations=true; horizon.quant.kernels.quantize_activations is the
 // definition): each 32-wide block of a row of x is rounded to int8 with its own scale amax/127 (the Q8_0

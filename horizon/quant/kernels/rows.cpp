@@ -16,8 +16,8 @@
 // - per group, tiles of R <= 4 rows of x against NT consecutive weight rows, R * NT accumulators in
 //   registers (enough independent FMA chains to hide their latency), the weights widened to fp32 in
 //   registers (bf16: a 16-bit shift; int8: a sign extension and a convert; both exact);
-// - AVX-512 when the CPU has it and K is a multiple of 16, else portable C++ (the same sums in another
-//   order);
+// - AVX-512 when the CPU has it and K is a multiple of 16, else AVX2 (part_avx2: the same plan on 8 lanes)
+//   when K is a multiple of 8, else portable C++ (the same sums in another order);
 // - bf16 x against bf16 weights on AMX tiles where the CPU has them (run_amx below): the FMA path widens
 //   every weight to fp32 and is bound by its FMAs from 8-16 rows of x on, AMX is not.
 
