@@ -196,7 +196,8 @@ def kernel_bench(cfg: ModelConfig, preset: str, repeats: int, seed: int) -> None
             times = {name: [] for name in inputs}
             for r in range(repeats):
                 for form in list(inputs)[r % len(inputs):] + list(inputs)[:r % len(inputs)]:  # each first in turn
-                    times[form].append(call_us(op, *inputs[form][:1], copies, ids, *inputs[form][1:], calls))
+                    xf, portable_path, q8 = inputs[form]
+                    times[form].append(call_us(op, xf, copies, ids, portable_path, q8, calls))
             a, b, c, portable = (statistics.median(times[form]) for form in inputs)
             results.append({"matrix": name, "N": N, "K": K, "experts": E, "tokens": tokens, "rows": rows,
                             "fp32_us": round(a, 1), "int8_us": round(b, 1), "bf16_us": round(c, 1),
