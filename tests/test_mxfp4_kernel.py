@@ -61,7 +61,7 @@ def test_the_avx2_paths_pass_the_same_checks_on_this_avx512_cpu():
     that takes them."""
     root = Path(__file__).resolve().parent.parent
     run = subprocess.run(
-        [sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", "-k", "simd or vector_path",
+        [sys.executable, "-m", "pytest", "-p", "no:cacheprovider", "-k", "simd or vector_path",
          "tests/test_mxfp4_kernel.py", "tests/test_rows_kernel.py", "tests/test_attention_kernel.py",
          "tests/test_indexer_kernel.py", "tests/test_kda.py"],
         cwd=root, env={**os.environ, "HORIZON_AVX512": "0"}, capture_output=True, text=True, timeout=600)
