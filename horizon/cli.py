@@ -856,7 +856,8 @@ def build_parser() -> argparse.ArgumentParser:
                             "int8 with per-row scales, converted at load (~1/4 of fp32's bytes; docs/model.md)")
         p.add_argument("--mxfp4-activations", choices=["fp32", "int8"], default="fp32",
                        help="int8: round what the MXFP4 experts multiply to int8 per 32 values first (llama.cpp's "
-                            "Q8_0 way; AVX-512 VNNI): faster, ~0.5%% relative error in their outputs (docs/model.md)")
+                            "Q8_0 way; AVX-512 VNNI or AVX2): faster, ~0.5%% relative error in their outputs "
+                            "(docs/model.md)")
 
     def sampling(p: argparse.ArgumentParser) -> None:
         p.add_argument("--model", default=None, help="checkpoint folder (default: the bundled model)")

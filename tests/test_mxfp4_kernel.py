@@ -420,9 +420,15 @@ def q8_kernel(x, blocks, scales, expert, portable):
     return torch.ops.horizon.mxfp4_expert_matmul(x, blocks, scales, expert, portable, True)
 
 
-def test_this_cpu_takes_the_vnni_path_for_int8_activations():
-    if {"avx512f", "avx512bw", "avx512_vnni"} <= CPU_FLAGS:
-        assert kernels.has_vnni()
+def test_int8_activations_take_this_cpus_vector_path():
+    """AVX-512 VNNI where the CPU has it (and HORIZON_AVX512 is not 0), else AVX2, else the portable C++."""
+    assert kernel_available(), "the MXFP4 kernel did not build (see the logged warning)"
+    if {"avx512f", "avx512bw", "avx512_vnni"} <= CPU_FLAGS and not NO_AVX512:
+        assert kernels.int8_path() == "vnni"
+    elif {"avx2", "fma"} <= CPU_FLAGS:
+        assert kernels.int8_path() == "avx2"
+    else:
+        assert kernels.int8_path() == "portable"
 
 
 def test_quantize_activations_is_what_its_docstring_says():
@@ -529,19 +535,19 @@ def test_mxfp4_modules_with_int8_activations_match_their_reference_paths():
     assert_matches(m.sync_free(x, weights, idx), exact)
 
 
-def test_int8_activations_warn_where_the_cpu_lacks_vnni(monkeypatch, caplog):
-    """Their speed is AVX-512 VNNI's; elsewhere the kernel's portable path runs them, several times slower than fp32
-    activations: asking for them there says so once, at load time."""
+def test_int8_activations_warn_where_the_cpu_has_no_vector_path_for_them(monkeypatch, caplog):
+    """Their speed is AVX-512 VNNI's or AVX2's; elsewhere the kernel's portable path runs them, several times slower
+    than fp32 activations: asking for them there says so once, at load time."""
     from horizon.quant import set_int8_activations
 
     holder = nn.Sequential(random_experts()[1])
-    for vnni in (True, False):
-        monkeypatch.setattr(kernels, "has_vnni", lambda vnni=vnni: vnni)
+    for path in ("vnni", "avx2", "portable", None):
+        monkeypatch.setattr(kernels, "int8_path", lambda path=path: path)
         caplog.clear()
         with caplog.at_level(logging.WARNING, logger="horizon.quant.layers"):
             set_int8_activations(holder)
             set_int8_activations(holder, False)  # turning them off never warns
-        assert ("no AVX-512 VNNI" in caplog.text) == (not vnni), caplog.text
+        assert ("neither AVX-512 VNNI nor AVX2" in caplog.text) == (path == "portable"), caplog.text
 
 
 @torch.no_grad()

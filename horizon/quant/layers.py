@@ -253,11 +253,11 @@ def set_int8_activations(model: nn.Module, on: bool = True) -> int:
     modules = [m for m in model.modules() if isinstance(m, (MXFP4Experts, MXFP4Linear))]
     for m in modules:
         m.int8_activations = on
-    if on and modules and kernels.kernel_available() and not kernels.has_vnni():
-        # its speed is AVX-512 VNNI's; elsewhere it runs the kernel's portable C++, which bench/mxfp4.py --kernel
-        # measured 6-15x slower than fp32 activations on an AVX2 CPU (a Zen 3 EPYC, 2 threads)
-        log.warning("int8 activations for the MXFP4 layers: this CPU has no AVX-512 VNNI, so they run the "
-                    "kernel's portable path, several times slower than the default fp32 activations")
+    if on and modules and kernels.int8_path() == "portable":
+        # the kernel has AVX-512 VNNI and AVX2 paths for them; elsewhere its portable C++ runs, which
+        # bench/mxfp4.py --kernel measured 6-15x slower than fp32 activations (a Zen 3 EPYC, 2 threads)
+        log.warning("int8 activations for the MXFP4 layers: this CPU has neither AVX-512 VNNI nor AVX2, so they "
+                    "run the kernel's portable path, several times slower than the default fp32 activations")
     return len(modules)
 
 

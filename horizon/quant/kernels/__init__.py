@@ -14,7 +14,7 @@ and the engine's greedy pick (`argmax.cpp`: `argmax_rows` here, torch.argmax its
 
     out = mxfp4_expert_matmul(x, blocks, scales, expert, int8_activations=True)
     # opt-in: each 32-wide block of x rounded to int8 first (`quantize_activations`, the Q8_0 format), then
-    # exact integer dot products per block (AVX-512 VNNI where the CPU has it): faster, not exact
+    # exact integer dot products per block (AVX-512 VNNI or AVX2 where the CPU has them): faster, not exact
 
 The op decodes the packed bytes in registers (AVX-512 when the CPU has it, portable C++ otherwise), so
 MXFP4 weights are never expanded to a full-precision matrix. It is one opaque `torch.library.custom_op`
@@ -261,9 +261,10 @@ def few_rows(dtype: torch.dtype) -> int:
     return FEW_ROWS.get(dtype, 0)
 
 
-def has_vnni() -> bool:
-    """Whether the kernel's int8-activation path runs on AVX-512 VNNI here (else its portable C++)."""
-    return kernel_available() and bool(torch.ops.horizon_kernels.has_vnni())
+def int8_path() -> str | None:
+    """Which path the kernel's int8 activations take on this CPU: "vnni" (AVX-512 VNNI), "avx2" (vpmaddubsw, where
+    there is AVX2 but no VNNI, or HORIZON_AVX512=0) or "portable" (its C++ loops); None without the kernel."""
+    return str(torch.ops.horizon_kernels.int8_path()) if kernel_available() else None
 
 
 INT8_MAX = 127
@@ -518,6 +519,6 @@ def rows_matmul(x: torch.Tensor, w: torch.Tensor, expert: torch.Tensor | None = 
 
 __all__ = ["FEW_ROWS", "FUSED_ONE_ROW_MAX", "cache_dir", "dequantize_activations", "expert_tiles", "few_rows",
            "has_amx", "has_avx512",
-           "has_vnni", "kernel_available", "kernels_run_on", "mxfp4_expert_matmul", "mxfp4_expert_matmul_reference",
+           "int8_path", "kernel_available", "kernels_run_on", "mxfp4_expert_matmul", "mxfp4_expert_matmul_reference",
            "mxfp4_kernel_runs_on", "mxfp4_matmul", "quantize_activations", "round_activations", "rows_matmul",
            "rows_matmul_reference", "sort_by_expert"]

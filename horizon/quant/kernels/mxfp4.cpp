@@ -42,6 +42,8 @@
 //   (vpshufb on the nibbles) and each lane starts from -12 * (sum of its block's int8 activations), so the
 //   lane ends at exactly 2 * sum(w * a); the 1/2 is folded into the activation scales;
 // - x is quantised and laid out on the host once per call, in the order the lanes read it.
+// On CPUs with AVX2 but no VNNI the same layout on 8 lanes, 8 blocks a pass, vpmaddubsw in place of vpdpbusd
+// (the AVX2 int8 path below).
 
 #include <ATen/ATen.h>
 #include <ATen/Parallel.h>
@@ -52,6 +54,7 @@
 #include <limits>
 #include <cstdint>
 #include <cstring>
+#include <string>
 #include <vector>
 
 #include "amx.h"
@@ -1116,43 +1119,180 @@ HZ_VNNI void q8_tile(const Problem& p, const Q8& a, int64_t expert, int64_t i0, 
   }
 }
 
-template <int R>
-HZ_VNNI void q8_rows(const Problem& p, const Q8& a, int64_t expert, int64_t i0, int64_t n0, int64_t n1) {
-  constexpr int NT = R <= 2 ? 4 : 2;
-  float res[R * NT];
-  int64_t n = n0;
-  for (; n + NT <= n1; n += NT) {
-    q8_tile<R, NT>(p, a, expert, i0, n, res);
-    for (int r = 0; r < R; ++r)
-      for (int t = 0; t < NT; ++t) p.out[p.row_of[i0 + r] * p.N + n + t] = res[r * NT + t];
-  }
-  for (; n < n1; ++n) {
-    q8_tile<R, 1>(p, a, expert, i0, n, res);
-    for (int r = 0; r < R; ++r) p.out[p.row_of[i0 + r] * p.N + n] = res[r];
-  }
+// ---------------------------------------------------------------------------------------------------
+// int8 activations on AVX2 (CPUs without AVX-512 VNNI): the same numbers as the VNNI path, on 8 lanes. A pass is
+// 8 blocks; a 4x4 transpose of dwords within each 128-bit half puts block kLaneBlock8[L] in dword lane L, so
+// each int32 lane again accumulates one block and the scales apply per lane once per pass. Without vpdpbusd a
+// lane's products go through vpmaddubsw (unsigned weights 2*E2M1 + 12 in [0, 24] times signed activations,
+// pairs summed into int16: at most 2 * 24 * 127 = 6,096, so no saturation), four of those summed in int16
+// (at most 24,384) and vpmaddwd against ones into int32: exact, as vpdpbusd is.
+
+constexpr int64_t kSet8 = 8;                    // blocks per AVX2 pass
+constexpr int64_t kSet8Bytes = kSet8 * kBlock;  // int8 activations of one pass
+constexpr int kLaneBlock8[8] = {0, 2, 4, 6, 1, 3, 5, 7};  // dword lane -> block (4q + i -> 2i + q)
+
+// quantize_rows' numbers (quantize_block) in the AVX2 path's lane order: per row and pass, vector 2t + h holds in
+// lane L the 4 activations that dword t of block kLaneBlock8[L] multiplies in its low (h = 0: even elements
+// 8t, 8t + 2, ...) or high nibbles (h = 1: odd elements); init and half as in Q8, per lane.
+Q8 quantize_lanes8(const float* x, int64_t K, int64_t nb, const std::vector<int64_t>& row_of) {
+  Q8 a;
+  const int64_t M = static_cast<int64_t>(row_of.size());
+  a.nsets = (nb + kSet8 - 1) / kSet8;
+  const int64_t width = a.nsets * kSet8Bytes;
+  a.lanes.assign(M * width, 0);
+  a.init.assign(M * a.nsets * kSet8, 0);
+  a.half.assign(M * a.nsets * kSet8, 0.0f);
+  int lane_of[8];
+  for (int L = 0; L < 8; ++L) lane_of[kLaneBlock8[L]] = L;
+  at::parallel_for(0, M, 8, [&](int64_t i0, int64_t i1) {
+    int8_t q[kBlock];
+    for (int64_t i = i0; i < i1; ++i)
+      for (int64_t b = 0; b < nb; ++b) {
+        std::fill(q, q + kBlock, 0);
+        const float s = quantize_block(x + row_of[i] * K + b * kBlock, std::min(kBlock, K - b * kBlock), q);
+        const int64_t j = b / kSet8, L = lane_of[b % kSet8];
+        a.half[(i * a.nsets + j) * kSet8 + L] = 0.5f * s;  // NaN for a block that is not finite (q all 0)
+        int32_t sum = 0;
+        for (int k = 0; k < kBlock; ++k) sum += q[k];
+        a.init[(i * a.nsets + j) * kSet8 + L] = -12 * sum;
+        int8_t* dst = a.lanes.data() + i * width + j * kSet8Bytes;
+        for (int t = 0; t < 4; ++t)
+          for (int h = 0; h < 2; ++h)
+            for (int e = 0; e < 4; ++e) dst[(t * 2 + h) * 32 + L * 4 + e] = q[8 * t + 2 * e + h];
+      }
+  });
+  return a;
 }
 
+struct Decoded8 {
+  __m256i w[8];
+  __m256 scale;
+};
+
+// The 8 blocks of pass j of one weight row: w[2t] / w[2t + 1] = the low / high nibbles of every lane's dword t as
+// 2*E2M1 + 12, and the lanes' weight scales 2^(s - 127).
+HZ_AVX2 inline void decode_pass8(const uint8_t* wb, const uint8_t* ws, int64_t nb, int64_t j, Decoded8& d) {
+  const __m256i lut = _mm256_setr_epi8(12, 13, 14, 15, 16, 18, 20, 24, 12, 11, 10, 9, 8, 6, 4, 0,
+                                       12, 13, 14, 15, 16, 18, 20, 24, 12, 11, 10, 9, 8, 6, 4, 0);
+  const __m256i low4 = _mm256_set1_epi8(0x0F);
+  const int64_t blocks = std::min(kSet8, nb - j * kSet8);  // the last pass may hold fewer than 8
+  const uint8_t* src = wb + j * kSet8 * kBlockBytes;
+  alignas(32) uint8_t tail[kSet8 * kBlockBytes];
+  if (blocks < kSet8) {  // zero bytes: weight 12 against x 0
+    std::memset(tail, 0, sizeof(tail));
+    std::memcpy(tail, src, blocks * kBlockBytes);
+    src = tail;
+  }
+  __m256i z[4];
+  for (int i = 0; i < 4; ++i) z[i] = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(src + 32 * i));
+  // per 128-bit half q: z[i] dword t = block 2i+q dword t  ->  dword t of block 2i+q in lane 4q+i
+  const __m256i a0 = _mm256_unpacklo_epi32(z[0], z[1]), a1 = _mm256_unpackhi_epi32(z[0], z[1]);
+  const __m256i a2 = _mm256_unpacklo_epi32(z[2], z[3]), a3 = _mm256_unpackhi_epi32(z[2], z[3]);
+  const __m256i t4[4] = {_mm256_unpacklo_epi64(a0, a2), _mm256_unpackhi_epi64(a0, a2), _mm256_unpacklo_epi64(a1, a3),
+                         _mm256_unpackhi_epi64(a1, a3)};
+  for (int t = 0; t < 4; ++t) {
+    d.w[2 * t] = _mm256_shuffle_epi8(lut, _mm256_and_si256(t4[t], low4));
+    d.w[2 * t + 1] = _mm256_shuffle_epi8(lut, _mm256_and_si256(_mm256_srli_epi16(t4[t], 4), low4));
+  }
+  uint64_t sb = 0;
+  std::memcpy(&sb, ws + j * kSet8, blocks);
+  const __m256i s = _mm256_permutevar8x32_epi32(_mm256_cvtepu8_epi32(_mm_cvtsi64_si128(static_cast<int64_t>(sb))),
+                                                _mm256_loadu_si256(reinterpret_cast<const __m256i*>(kLaneBlock8)));
+  __m256i bits = _mm256_slli_epi32(s, 23);
+  bits = _mm256_blendv_epi8(bits, _mm256_set1_epi32(0x00400000), _mm256_cmpeq_epi32(s, _mm256_setzero_si256()));
+  bits = _mm256_blendv_epi8(bits, _mm256_set1_epi32(0x7FC00000), _mm256_cmpeq_epi32(s, _mm256_set1_epi32(255)));
+  d.scale = _mm256_castsi256_ps(bits);
+}
+
+// As q8_tile, on 8 lanes.
+template <int R, int NT>
+HZ_AVX2 void q8_tile_avx2(const Problem& p, const Q8& a, int64_t expert, int64_t i0, int64_t n, float* res) {
+  const int64_t width = a.nsets * kSet8Bytes;
+  const __m256i ones = _mm256_set1_epi16(1);
+  __m256 acc[R][NT];
+  for (int r = 0; r < R; ++r)
+    for (int t = 0; t < NT; ++t) acc[r][t] = _mm256_setzero_ps();
+  for (int64_t j = 0; j < a.nsets; ++j) {
+    for (int t = 0; t < NT; ++t) {
+      {  // this pass of the row kPrefetchRows ahead (the last row at the end): its 2 lines of blocks, its scales
+        const int64_t row = std::min(n + t + kPrefetchRows, p.N - 1);
+        const uint8_t* ahead = p.blk(expert, row) + j * kSet8 * kBlockBytes;
+        _mm_prefetch(reinterpret_cast<const char*>(ahead), _MM_HINT_T0);
+        _mm_prefetch(reinterpret_cast<const char*>(ahead + 64), _MM_HINT_T0);
+        _mm_prefetch(reinterpret_cast<const char*>(p.scl(expert, row) + j * kSet8), _MM_HINT_T0);
+      }
+      Decoded8 d;
+      decode_pass8(p.blk(expert, n + t), p.scl(expert, n + t), p.nb, j, d);
+      for (int r = 0; r < R; ++r) {
+        const int64_t i = i0 + r;
+        const __m256i* x = reinterpret_cast<const __m256i*>(a.lanes.data() + i * width + j * kSet8Bytes);
+        __m256i lane = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(a.init.data() + (i * a.nsets + j) * kSet8));
+        for (int k = 0; k < 8; k += 4) {
+          __m256i s16 = _mm256_maddubs_epi16(d.w[k], _mm256_loadu_si256(x + k));
+          for (int u = 1; u < 4; ++u)
+            s16 = _mm256_add_epi16(s16, _mm256_maddubs_epi16(d.w[k + u], _mm256_loadu_si256(x + k + u)));
+          lane = _mm256_add_epi32(lane, _mm256_madd_epi16(s16, ones));
+        }
+        const __m256 half = _mm256_loadu_ps(a.half.data() + (i * a.nsets + j) * kSet8);
+        acc[r][t] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(lane), _mm256_mul_ps(d.scale, half), acc[r][t]);
+      }
+    }
+  }
+  // every row summed in the same order whatever R and NT are (a row's result never depends on its batch)
+  for (int r = 0; r < R; ++r)
+    for (int t = 0; t < NT; ++t) res[r * NT + t] = hsum_avx2(acc[r][t]);
+}
+
+// R rows of x against output rows n0..n1-1, NT at a time, through one path's tiles (q8_tile for VNNI, q8_tile_avx2).
+// A macro, not a template over the tile: each instance needs its path's target attribute for the tile to inline
+// into it, and a target attribute cannot depend on a template parameter.
+#define HZ_Q8_ROWS(TARGET, NAME, TILE)                                                                          \
+  template <int R>                                                                                             \
+  TARGET void NAME(const Problem& p, const Q8& a, int64_t expert, int64_t i0, int64_t n0, int64_t n1) {        \
+    constexpr int NT = R <= 2 ? 4 : 2;                                                                         \
+    float res[R * NT];                                                                                         \
+    int64_t n = n0;                                                                                            \
+    for (; n + NT <= n1; n += NT) {                                                                            \
+      TILE<R, NT>(p, a, expert, i0, n, res);                                                                   \
+      for (int r = 0; r < R; ++r)                                                                              \
+        for (int t = 0; t < NT; ++t) p.out[p.row_of[i0 + r] * p.N + n + t] = res[r * NT + t];                  \
+    }                                                                                                          \
+    for (; n < n1; ++n) {                                                                                      \
+      TILE<R, 1>(p, a, expert, i0, n, res);                                                                    \
+      for (int r = 0; r < R; ++r) p.out[p.row_of[i0 + r] * p.N + n] = res[r];                                  \
+    }                                                                                                          \
+  }
+HZ_Q8_ROWS(HZ_VNNI, q8_rows_vnni, q8_tile)
+HZ_Q8_ROWS(HZ_AVX2, q8_rows_avx2, q8_tile_avx2)
+#undef HZ_Q8_ROWS
+
 using Q8Fn = void (*)(const Problem&, const Q8&, int64_t, int64_t, int64_t, int64_t);
-const Q8Fn kQ8[kQ8MaxRows] = {q8_rows<1>, q8_rows<2>, q8_rows<3>, q8_rows<4>};
+const Q8Fn kQ8Vnni[kQ8MaxRows] = {q8_rows_vnni<1>, q8_rows_vnni<2>, q8_rows_vnni<3>, q8_rows_vnni<4>};
+const Q8Fn kQ8Avx2[kQ8MaxRows] = {q8_rows_avx2<1>, q8_rows_avx2<2>, q8_rows_avx2<3>, q8_rows_avx2<4>};
 
 // Groups of more than 4 rows go 4 at a time over a tile of output rows that stays in L1, so their weights
 // are read from memory once and decoded once per 4 rows.
-void q8_avx512(const Problem& p, const Q8& a, int64_t n0, int64_t n1) {
+void q8_groups(const Q8Fn* rows, const Problem& p, const Q8& a, int64_t n0, int64_t n1) {
   constexpr int64_t kTile = 16;
   for (const Group& g : *p.groups) {
     for (int64_t t0 = n0; t0 < n1; t0 += kTile) {
       const int64_t t1 = std::min(n1, t0 + kTile);
       for (int64_t r = 0; r < g.count; r += kQ8MaxRows)
-        kQ8[std::min<int64_t>(kQ8MaxRows, g.count - r) - 1](p, a, g.expert, g.start + r, t0, t1);
+        rows[std::min<int64_t>(kQ8MaxRows, g.count - r) - 1](p, a, g.expert, g.start + r, t0, t1);
     }
   }
 }
+
+void q8_avx512(const Problem& p, const Q8& a, int64_t n0, int64_t n1) { q8_groups(kQ8Vnni, p, a, n0, n1); }
+void q8_avx2(const Problem& p, const Q8& a, int64_t n0, int64_t n1) { q8_groups(kQ8Avx2, p, a, n0, n1); }
 
 #else
 
 bool cpu_has_vnni() { return false; }
 Q8 quantize_lanes(const float*, int64_t, int64_t, const std::vector<int64_t>&) { return {}; }
+Q8 quantize_lanes8(const float*, int64_t, int64_t, const std::vector<int64_t>&) { return {}; }
 void q8_avx512(const Problem& p, const Q8& a, int64_t n0, int64_t n1) { q8_portable(p, a, n0, n1); }
+void q8_avx2(const Problem& p, const Q8& a, int64_t n0, int64_t n1) { q8_portable(p, a, n0, n1); }
 
 #endif
 
@@ -1201,11 +1341,15 @@ at::Tensor mxfp4_expert_matmul(const at::Tensor& x_, const at::Tensor& blocks_, 
   p.out = out.data_ptr<float>();
   if (int8_activations) {
     const bool vnni = !force_portable && cpu_has_vnni();
+    const bool avx2 = !force_portable && !vnni && cpu_has_avx2();
     const Q8 q8 = vnni ? quantize_lanes(x.data_ptr<float>(), K, nb, row_of)
-                       : quantize_rows(x.data_ptr<float>(), K, nb, row_of);
+                  : avx2 ? quantize_lanes8(x.data_ptr<float>(), K, nb, row_of)
+                         : quantize_rows(x.data_ptr<float>(), K, nb, row_of);
     at::parallel_for(0, N, 16, [&](int64_t n0, int64_t n1) {
       if (vnni) {
         q8_avx512(p, q8, n0, n1);
+      } else if (avx2) {
+        q8_avx2(p, q8, n0, n1);
       } else {
         q8_portable(p, q8, n0, n1);
       }
@@ -1289,7 +1433,8 @@ at::Tensor mxfp4_expert_matmul(const at::Tensor& x_, const at::Tensor& blocks_, 
 
 bool has_avx512() { return cpu_has_avx512(); }
 bool has_avx2() { return !cpu_has_avx512() && cpu_has_avx2(); }
-bool has_vnni() { return cpu_has_vnni(); }
+// Which path int8 activations take here: "vnni", "avx2" (also on an AVX-512 CPU without VNNI) or "portable".
+std::string int8_path() { return cpu_has_vnni() ? "vnni" : cpu_has_avx2() ? "avx2" : "portable"; }
 
 }  // namespace
 
@@ -1300,7 +1445,7 @@ TORCH_LIBRARY(horizon_kernels, m) {
         "bool int8_activations=False) -> Tensor");
   m.def("has_avx512() -> bool", &has_avx512);
   m.def("has_avx2() -> bool", &has_avx2);
-  m.def("has_vnni() -> bool", &has_vnni);
+  m.def("int8_path() -> str", &int8_path);
 }
 
 // A CPU kernel (not a composite one): a compiled graph calls it directly, with the fake registered in Python
