@@ -16,7 +16,7 @@ and the engine's greedy pick (`argmax.cpp`: `argmax_rows` here, torch.argmax its
     # opt-in: each 32-wide block of x rounded to int8 first (`quantize_activations`, the Q8_0 format), then
     # exact integer dot products per block (AVX-512 VNNI or AVX2 where the CPU has them): faster, not exact
 
-The op decodes the packed bytes in registers (AVX-512 when the CPU has it, portable C++ otherwise), so
+The op decodes the packed bytes in registers (AVX-512 or AVX2 as the CPU has them, portable C++ otherwise), so
 MXFP4 weights are never expanded to a full-precision matrix. It is one opaque `torch.library.custom_op`
 with a fake (meta) implementation: torch.compile traces through it without a graph break, and the
 grouping of rows by expert (a host-side pass over CPU memory) stays inside it. The modules call it
