@@ -518,7 +518,7 @@ def rows_matmul(x: torch.Tensor, w: torch.Tensor, expert: torch.Tensor | None = 
 
 
 __all__ = ["FEW_ROWS", "FUSED_ONE_ROW_MAX", "cache_dir", "dequantize_activations", "expert_tiles", "few_rows",
-           "has_amx", "has_avx512",
+           "has_amx", "has_avx2", "has_avx512",
            "int8_path", "kernel_available", "kernels_run_on", "mxfp4_expert_matmul", "mxfp4_expert_matmul_reference",
            "mxfp4_kernel_runs_on", "mxfp4_matmul", "quantize_activations", "round_activations", "rows_matmul",
            "rows_matmul_reference", "sort_by_expert"]

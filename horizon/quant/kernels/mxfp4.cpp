@@ -172,6 +172,35 @@ void rows_portable(const Problem& p, int64_t n0, int64_t n1) {
 }
 
 // ---------------------------------------------------------------------------------------------------
+// The buffered form's loop, shared by the vector paths: T output rows of the expert decoded once into buf
+// (`decode`), then MR x NR micro-kernels over them, micro[(MR - 1) * nr_max + NR - 1] (res stride 4).
+using DecodeRowsFn = void (*)(const uint8_t*, const uint8_t*, int64_t, int64_t, float*);
+using MicroFn = void (*)(const float*, const float*, int64_t, float*);
+
+void buffered_group(const Problem& p, const Group& g, int64_t n0, int64_t n1, float* buf, int64_t tile,
+                    DecodeRowsFn decode, const MicroFn* micro, int nr_max) {
+  const float* x = p.xg + g.start * p.Kp;
+  const int64_t* rows = p.row_of + g.start;
+  float res[16];
+  for (int64_t t0 = n0; t0 < n1; t0 += tile) {
+    const int64_t T = std::min(tile, n1 - t0);
+    decode(p.blk(g.expert, t0), p.scl(g.expert, t0), p.nb, T, buf);  // once per weight
+    for (int64_t r0 = 0; r0 < g.count; r0 += kRowChunk) {
+      const int64_t r1 = std::min(g.count, r0 + kRowChunk);
+      for (int64_t j0 = 0; j0 < T; j0 += nr_max) {
+        const int nr = static_cast<int>(std::min<int64_t>(nr_max, T - j0));
+        for (int64_t r = r0; r < r1; r += 4) {
+          const int mr = static_cast<int>(std::min<int64_t>(4, r1 - r));
+          micro[(mr - 1) * nr_max + nr - 1](x + r * p.Kp, buf + j0 * p.Kp, p.Kp, res);
+          for (int i = 0; i < mr; ++i)
+            for (int j = 0; j < nr; ++j) p.out[rows[r + i] * p.N + t0 + j0 + j] = res[i * 4 + j];
+        }
+      }
+    }
+  }
+}
+
+// ---------------------------------------------------------------------------------------------------
 // AVX-512 path.
 
 #if HZ_HAVE_AVX512
@@ -281,35 +310,12 @@ HZ_AVX512 void micro(const float* x, const float* w, int64_t Kp, float* res) {
     for (int j = 0; j < NR; ++j) res[i * 4 + j] = _mm512_reduce_add_ps(acc[i][j]);
 }
 
-using MicroFn = void (*)(const float*, const float*, int64_t, float*);
 const MicroFn kMicro[4][4] = {
     {micro<1, 1>, micro<1, 2>, micro<1, 3>, micro<1, 4>},
     {micro<2, 1>, micro<2, 2>, micro<2, 3>, micro<2, 4>},
     {micro<3, 1>, micro<3, 2>, micro<3, 3>, micro<3, 4>},
     {micro<4, 1>, micro<4, 2>, micro<4, 3>, micro<4, 4>},
 };
-
-HZ_AVX512 void buffered_group(const Problem& p, const Group& g, int64_t n0, int64_t n1, float* buf, int64_t tile) {
-  const float* x = p.xg + g.start * p.Kp;
-  const int64_t* rows = p.row_of + g.start;
-  float res[16];
-  for (int64_t t0 = n0; t0 < n1; t0 += tile) {
-    const int64_t T = std::min(tile, n1 - t0);
-    decode_rows(p.blk(g.expert, t0), p.scl(g.expert, t0), p.nb, T, buf);  // once per weight
-    for (int64_t r0 = 0; r0 < g.count; r0 += kRowChunk) {
-      const int64_t r1 = std::min(g.count, r0 + kRowChunk);
-      for (int64_t j0 = 0; j0 < T; j0 += 4) {
-        const int nr = static_cast<int>(std::min<int64_t>(4, T - j0));
-        for (int64_t r = r0; r < r1; r += 4) {
-          const int mr = static_cast<int>(std::min<int64_t>(4, r1 - r));
-          kMicro[mr - 1][nr - 1](x + r * p.Kp, buf + j0 * p.Kp, p.Kp, res);
-          for (int i = 0; i < mr; ++i)
-            for (int j = 0; j < nr; ++j) p.out[rows[r + i] * p.N + t0 + j0 + j] = res[i * 4 + j];
-        }
-      }
-    }
-  }
-}
 
 // One whole 32-wide block of x -> [16 even | 16 odd]: two loads, two two-source permutes.
 HZ_AVX512 void split_block_avx512(const float* src, float* dst) {
@@ -329,7 +335,7 @@ void group_avx512(const Problem& p, const Group& g, int64_t n0, int64_t n1, std:
     kFused[g.count - 1](p, g, n0, n1);
   } else {
     if (buf.empty()) buf.resize(tile * p.Kp);
-    buffered_group(p, g, n0, n1, buf.data(), tile);
+    buffered_group(p, g, n0, n1, buf.data(), tile, decode_rows, &kMicro[0][0], 4);
   }
 }
 
@@ -505,29 +511,6 @@ const MicroFn kMicroAvx2[4][2] = {
     {micro_avx2<4, 1>, micro_avx2<4, 2>},
 };
 
-HZ_AVX2 void buffered_group_avx2(const Problem& p, const Group& g, int64_t n0, int64_t n1, float* buf,
-                                 int64_t tile) {
-  const float* x = p.xg + g.start * p.Kp;
-  const int64_t* rows = p.row_of + g.start;
-  float res[16];
-  for (int64_t t0 = n0; t0 < n1; t0 += tile) {
-    const int64_t T = std::min(tile, n1 - t0);
-    decode_rows_avx2(p.blk(g.expert, t0), p.scl(g.expert, t0), p.nb, T, buf);
-    for (int64_t r0 = 0; r0 < g.count; r0 += kRowChunk) {
-      const int64_t r1 = std::min(g.count, r0 + kRowChunk);
-      for (int64_t j0 = 0; j0 < T; j0 += 2) {
-        const int nr = static_cast<int>(std::min<int64_t>(2, T - j0));
-        for (int64_t r = r0; r < r1; r += 4) {
-          const int mr = static_cast<int>(std::min<int64_t>(4, r1 - r));
-          kMicroAvx2[mr - 1][nr - 1](x + r * p.Kp, buf + j0 * p.Kp, p.Kp, res);
-          for (int i = 0; i < mr; ++i)
-            for (int j = 0; j < nr; ++j) p.out[rows[r + i] * p.N + t0 + j0 + j] = res[i * 4 + j];
-        }
-      }
-    }
-  }
-}
-
 void rows_avx2(const Problem& p, int64_t n0, int64_t n1) {
   const int64_t tile = buffer_tile(p);
   std::vector<float> buf;
@@ -536,7 +519,7 @@ void rows_avx2(const Problem& p, int64_t n0, int64_t n1) {
       kFusedAvx2[g.count - 1](p, g, n0, n1);
     } else {
       if (buf.empty()) buf.resize(tile * p.Kp);
-      buffered_group_avx2(p, g, n0, n1, buf.data(), tile);
+      buffered_group(p, g, n0, n1, buf.data(), tile, decode_rows_avx2, &kMicroAvx2[0][0], 2);
     }
   }
 }
