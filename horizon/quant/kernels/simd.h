@@ -1,5 +1,5 @@
-// What more than one kernel uses on x86: which vector paths this CPU takes, and the AVX-512 exponential of
-// non-positive arguments (attention.cpp's softmax, kda.cpp's decayed scores). Included inside each source's
+// What more than one kernel uses on x86: which vector paths this CPU takes, and the AVX-512 and AVX2 exponentials
+// of non-positive arguments (attention.cpp's softmax, kda.cpp's decayed scores). Included inside each source's
 // own #if for x86 code.
 #pragma once
 
@@ -31,20 +31,38 @@ inline bool cpu_has_avx2() {
 // exp(x) for x <= 0, relative error ~2e-7: Cody-Waite reduction by ln 2 and a degree-6 polynomial (Cephes'
 // expf); below -87 it returns ~1e-38 instead of underflowing (callers zero the lanes they do not want, or
 // multiply such values into nothing).
+namespace exp_coef {
+constexpr float kMin = -87.0f, kLog2e = 1.44269504088896341f, kLn2Hi = 0.693359375f, kLn2Lo = -2.12194440e-4f;
+constexpr float kPoly[6] = {1.9875691500e-4f, 1.3981999507e-3f, 8.3334519073e-3f,
+                            4.1665795894e-2f, 1.6666665459e-1f, 5.0000001201e-1f};
+}  // namespace exp_coef
+
 __attribute__((target("avx512f"))) inline __m512 exp_nonpositive(__m512 x) {
-  x = _mm512_max_ps(x, _mm512_set1_ps(-87.0f));
-  const __m512 n = _mm512_roundscale_ps(_mm512_mul_ps(x, _mm512_set1_ps(1.44269504088896341f)),
+  using namespace exp_coef;
+  x = _mm512_max_ps(x, _mm512_set1_ps(kMin));
+  const __m512 n = _mm512_roundscale_ps(_mm512_mul_ps(x, _mm512_set1_ps(kLog2e)),
                                         _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
-  x = _mm512_fnmadd_ps(n, _mm512_set1_ps(0.693359375f), x);
-  x = _mm512_fnmadd_ps(n, _mm512_set1_ps(-2.12194440e-4f), x);
-  __m512 y = _mm512_set1_ps(1.9875691500e-4f);
-  y = _mm512_fmadd_ps(y, x, _mm512_set1_ps(1.3981999507e-3f));
-  y = _mm512_fmadd_ps(y, x, _mm512_set1_ps(8.3334519073e-3f));
-  y = _mm512_fmadd_ps(y, x, _mm512_set1_ps(4.1665795894e-2f));
-  y = _mm512_fmadd_ps(y, x, _mm512_set1_ps(1.6666665459e-1f));
-  y = _mm512_fmadd_ps(y, x, _mm512_set1_ps(5.0000001201e-1f));
+  x = _mm512_fnmadd_ps(n, _mm512_set1_ps(kLn2Hi), x);
+  x = _mm512_fnmadd_ps(n, _mm512_set1_ps(kLn2Lo), x);
+  __m512 y = _mm512_set1_ps(kPoly[0]);
+  for (int i = 1; i < 6; ++i) y = _mm512_fmadd_ps(y, x, _mm512_set1_ps(kPoly[i]));
   y = _mm512_fmadd_ps(y, _mm512_mul_ps(x, x), _mm512_add_ps(x, _mm512_set1_ps(1.0f)));
   return _mm512_scalef_ps(y, n);
+}
+
+// The same on 8 lanes (AVX2 + FMA), the same operations in the same order, so the same bits: 2^n is built in the
+// exponent field (n >= -126 after the clamp, so a normal number) and multiplied in, which rounds as scalef does.
+__attribute__((target("avx2,fma"))) inline __m256 exp_nonpositive(__m256 x) {
+  using namespace exp_coef;
+  x = _mm256_max_ps(x, _mm256_set1_ps(kMin));
+  const __m256 n = _mm256_round_ps(_mm256_mul_ps(x, _mm256_set1_ps(kLog2e)), _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
+  x = _mm256_fnmadd_ps(n, _mm256_set1_ps(kLn2Hi), x);
+  x = _mm256_fnmadd_ps(n, _mm256_set1_ps(kLn2Lo), x);
+  __m256 y = _mm256_set1_ps(kPoly[0]);
+  for (int i = 1; i < 6; ++i) y = _mm256_fmadd_ps(y, x, _mm256_set1_ps(kPoly[i]));
+  y = _mm256_fmadd_ps(y, _mm256_mul_ps(x, x), _mm256_add_ps(x, _mm256_set1_ps(1.0f)));
+  const __m256i pow2 = _mm256_slli_epi32(_mm256_add_epi32(_mm256_cvtps_epi32(n), _mm256_set1_epi32(127)), 23);
+  return _mm256_mul_ps(y, _mm256_castsi256_ps(pow2));
 }
 
 }  // namespace hz
