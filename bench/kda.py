@@ -31,7 +31,7 @@ from common import kernel_args, kernel_parser, log
 import horizon.model.kda as kda_mod
 from horizon import HorizonForCausalLM, ModelConfig
 from horizon.model import HorizonCache
-from horizon.quant.kernels import has_avx512
+from horizon.quant.kernels import has_avx2, has_avx512
 
 LENGTHS, QUICK_LENGTHS = (512, 2048, 8192), (512, 2048)
 MODEL_LENGTHS, QUICK_MODEL_LENGTHS = (512, 2048), (512,)
@@ -86,8 +86,10 @@ def main() -> None:
     ap = kernel_parser(__doc__, 5, "two lengths, two rounds")
     ap.add_argument("--no-model", action="store_true", help="skip the whole-model prefill")
     args = kernel_args(ap)
-    if not has_avx512():
-        raise SystemExit("this CPU has no AVX-512: kda_chunkwise takes the reference here, nothing to compare")
+    if not (has_avx512() or has_avx2()):
+        raise SystemExit("the kernel has no vector path on this CPU (AVX-512 or AVX2): kda_chunkwise takes the "
+                         "reference here, nothing to compare")
+    path = "avx512" if has_avx512() else "avx2"
     repeats = 2 if args.quick else args.repeats
     cfg = ModelConfig.preset("small")
     H, K, C = cfg.kda_num_heads, cfg.kda_head_dim, cfg.kda_chunk_size
@@ -117,11 +119,11 @@ def main() -> None:
                 prompt = torch.randint(100, cfg.vocab_size, (T,), generator=gen).tolist()
                 step = StepInputs(tokens=[prompt], starts=[0], slots=[0])
                 rows.append(row("prefill", T, *interleaved(lambda step=step: runner.run(step), repeats)))
-    res = {"bench": "kda", "threads": args.threads, "repeats": repeats, "heads": H, "head_dim": K, "chunk": C,
-           "mm_GFMAps": round(gfma, 1), "cases": rows}
+    res = {"bench": "kda", "threads": args.threads, "repeats": repeats, "path": path, "heads": H, "head_dim": K,
+           "chunk": C, "mm_GFMAps": round(gfma, 1), "cases": rows}
     if not args.json:
-        print(f"bench/kda.py, {args.threads} threads, {H} heads x {K}, chunks of {C}; medians of {repeats}; "
-              f"hot fp32 mm {res['mm_GFMAps']} GFMA/s")
+        print(f"bench/kda.py ({path} path), {args.threads} threads, {H} heads x {K}, chunks of {C}; "
+              f"medians of {repeats}; hot fp32 mm {res['mm_GFMAps']} GFMA/s")
         print(f"{'what':10} {'tokens':>7} {'kernel ms':>10} {'reference ms':>13} {'ratio':>6} {'limit ms':>9}")
         for r in rows:
             print(f"{r['name']:10} {r['case']:>7} {r['kernel_ms']:>10} {r['reference_ms']:>13} {r['ratio']:>6} "

@@ -18,7 +18,7 @@ from horizon.model.kda import (
     kda_recurrent,
     short_conv,
 )
-from horizon.quant.kernels import has_avx512, kernel_available
+from horizon.quant.kernels import has_avx2, has_avx512, kernel_available
 
 from .conftest import tiny_model
 
@@ -264,10 +264,13 @@ def test_decode_kernel_in_a_compiled_graph_updates_the_cache_itself():
     assert not torch.equal(state, decode_inputs(B=4, H=2, K=16, V=16, slots=6, seed=5)[0])  # it did write
 
 
-needs_avx512 = pytest.mark.skipif(not (kernel_available() and has_avx512()), reason="no AVX-512 kernel path here")
+# the chunkwise kernel's vector paths (AVX-512, or AVX2: HORIZON_AVX512=0 sends it there, and the rerun in
+# test_mxfp4_kernel.py takes the tests named chunkwise_kernel so)
+needs_vector_path = pytest.mark.skipif(not (kernel_available() and (has_avx512() or has_avx2())),
+                                       reason="no AVX-512 or AVX2 kernel path here")
 
 
-@needs_avx512
+@needs_vector_path
 @pytest.mark.parametrize("B, T, H, K, chunk, decay", [(2, 50, 3, 16, 16, 2.0), (1, 130, 2, 64, 64, 0.5),
                                                       (1, 64, 1, 64, 64, 2.0), (1, 200, 2, 128, 32, 1.0),
                                                       (2, 97, 3, 32, 64, 40.0)])  # 40: exponents far below -87
@@ -288,7 +291,7 @@ def test_chunkwise_kernel_equals_the_reference_and_the_recurrence(B, T, H, K, ch
     assert s0 is None or torch.equal(s0, before)
 
 
-@needs_avx512
+@needs_vector_path
 def test_chunkwise_kernel_carries_the_state_through_padding():
     """Positions with g = beta = 0 (how batches pad a shorter sequence) leave the state as it was: a sequence
     padded from 20 to 45 tokens ends where it ends alone, and its first 20 outputs are its own."""
@@ -300,7 +303,7 @@ def test_chunkwise_kernel_carries_the_state_through_padding():
     torch.testing.assert_close(o_pad[:, :20], o, atol=1e-6, rtol=0)
 
 
-@needs_avx512
+@needs_vector_path
 def test_chunkwise_takes_the_kernel_and_training_the_reference(monkeypatch):
     """Without gradients, with K = V and a chunk size that is a multiple of 16, kda_chunkwise runs the kernel;
     otherwise (another chunk size, K != V, inputs that need a gradient: the op has no backward) the reference."""
@@ -319,7 +322,7 @@ def test_chunkwise_takes_the_kernel_and_training_the_reference(monkeypatch):
     assert len(calls) == 3 and k.grad is not None and k.grad.abs().sum() > 0
 
 
-@needs_avx512
+@needs_vector_path
 def test_chunkwise_kernel_rejects_bad_inputs_clearly():
     q, k, v, g, beta, s0 = inputs(T=20, K=16, V=16)
     op = torch.ops.horizon_kernels.kda_chunk_forward_
@@ -333,7 +336,7 @@ def test_chunkwise_kernel_rejects_bad_inputs_clearly():
         op(s0[..., :8, :8].contiguous(), q[..., :8], k[..., :8], v[..., :8], g[..., :8], beta, 0.25, 16)
 
 
-@needs_avx512
+@needs_vector_path
 def test_chunkwise_kernel_traces_into_a_compiled_graph():
     """The op's fake (shape and dtype) lets torch.compile trace kda_chunkwise whole, without a graph break,
     and the compiled call equals eager; the state it fills is a fresh tensor, so the inputs stay as they were."""

@@ -57,11 +57,11 @@ def test_the_kernel_builds_and_this_cpu_takes_its_vector_path():
                     reason="needs a CPU with AVX-512 (elsewhere the other tests run the AVX2 path where it is)")
 def test_the_avx2_paths_pass_the_same_checks_on_this_avx512_cpu():
     """HORIZON_AVX512=0 sends every kernel to its AVX2 path, which an AVX-512 CPU would otherwise never run: the
-    kernels' checks of their vector paths (MXFP4, rows, decode attention, indexer, KDA decode), again in a process
-    that takes them."""
+    kernels' checks of their vector paths (MXFP4, rows, decode attention, indexer, KDA decode and chunkwise prefill),
+    again in a process that takes them."""
     root = Path(__file__).resolve().parent.parent
     run = subprocess.run(
-        [sys.executable, "-m", "pytest", "-p", "no:cacheprovider", "-k", "simd or vector_path",
+        [sys.executable, "-m", "pytest", "-p", "no:cacheprovider", "-k", "simd or vector_path or chunkwise_kernel",
          "tests/test_mxfp4_kernel.py", "tests/test_rows_kernel.py", "tests/test_attention_kernel.py",
          "tests/test_indexer_kernel.py", "tests/test_kda.py"],
         cwd=root, env={**os.environ, "HORIZON_AVX512": "0"}, capture_output=True, text=True, timeout=600)

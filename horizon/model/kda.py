@@ -117,13 +117,14 @@ CHUNK_GROUP = 16
 def kda_chunkwise(q, k, v, g, beta, scale: float | None = None, initial_state=None, chunk_size: int = 64):
     """kda_chunkwise_reference's (o, final state), through the CPU kernel (horizon/quant/kernels/kda.cpp: each
     (sequence, head) chunk after chunk in L1/L2, where the reference makes ~30 PyTorch calls a group of chunks
-    over [..., C, C, K]-sized temporaries) where it runs: AVX-512, K = V in {16, 32, 64, 128}, chunk_size a
+    over [..., C, C, K]-sized temporaries) where it runs: AVX-512 or AVX2, K = V in {16, 32, 64, 128}, chunk_size a
     multiple of 16, nothing that needs a gradient (the op has no backward: training takes the reference)."""
     from horizon.quant import kernels  # here: horizon.quant's modules import this package
 
     B, T, H, K = q.shape
     if (not _needs_grad(q, k, v, g, beta, initial_state) and v.shape[-1] == K and K in (16, 32, 64, 128)
-            and chunk_size % 16 == 0 and kernels.kernels_run_on(q.device) and kernels.has_avx512()):
+            and chunk_size % 16 == 0 and kernels.kernels_run_on(q.device)
+            and (kernels.has_avx512() or kernels.has_avx2())):
         state = (q.new_zeros(B, H, K, K, dtype=torch.float32) if initial_state is None
                  else initial_state.float().clone().contiguous())
         scale = K**-0.5 if scale is None else scale

@@ -57,7 +57,7 @@ log = logging.getLogger(__name__)
 SOURCES = tuple(Path(__file__).with_name(name) for name in ("mxfp4.cpp", "indexer.cpp", "topk.cpp", "attention.cpp",
                                                               "kda.cpp", "rows.cpp", "argmax.cpp", "router.cpp"))
 # hashed with the sources: a change rebuilds
-HEADERS = tuple(Path(__file__).with_name(name) for name in ("grouping.h", "amx.h", "simd.h"))
+HEADERS = tuple(Path(__file__).with_name(name) for name in ("grouping.h", "amx.h", "simd.h", "kda_chunk.h"))
 _lock = threading.Lock()
 _built: bool | None = None  # None: not tried yet in this process
 
@@ -222,20 +222,23 @@ def argmax_rows(logits: torch.Tensor) -> torch.Tensor:
     return logits.argmax(dim=-1)
 
 
-_avx512: bool | None = None  # has_avx512(), once asked outside a compiled graph
+_vector_paths: dict[str, bool] = {}  # has_avx512() and has_avx2(), each once asked outside a compiled graph
+
+
+def _vector_path(query: str) -> bool:
+    """The C++ op `query`'s answer, asked once per process; a graph being compiled reads it as a constant (and, if
+    nothing asked yet, gets False: the references, which trace, instead of a query dynamo cannot trace)."""
+    if query not in _vector_paths:
+        if torch.compiler.is_compiling():
+            return False
+        _vector_paths[query] = kernel_available() and bool(getattr(torch.ops.horizon_kernels, query)())
+    return _vector_paths[query]
 
 
 def has_avx512() -> bool:
     """Whether the kernel runs its AVX-512 path on this CPU (False when the kernel is unavailable, and under
-    HORIZON_AVX512=0, which sends every kernel to its AVX2 or portable path). Asked once per process; a graph being
-    compiled reads the answer as a constant (and, if nothing asked yet, gets False: the references, which trace,
-    instead of a query dynamo cannot trace)."""
-    global _avx512
-    if _avx512 is None:
-        if torch.compiler.is_compiling():
-            return False
-        _avx512 = kernel_available() and bool(torch.ops.horizon_kernels.has_avx512())
-    return _avx512
+    HORIZON_AVX512=0, which sends every kernel to its AVX2 or portable path)."""
+    return _vector_path("has_avx512")
 
 
 def has_amx() -> bool:
@@ -247,7 +250,7 @@ def has_amx() -> bool:
 
 def has_avx2() -> bool:
     """Whether the kernels run their AVX2 paths here: AVX2 and FMA without AVX-512 (or with HORIZON_AVX512=0)."""
-    return kernel_available() and bool(torch.ops.horizon_kernels.has_avx2())
+    return _vector_path("has_avx2")
 
 
 def few_rows(dtype: torch.dtype) -> int:

@@ -1,5 +1,6 @@
 // Kimi Delta Attention on the CPU: a batch's decode step on the cached states in place (`kda_decode_`, here
-// first) and the chunkwise prefill (`kda_chunk_forward_`, "The chunked prefill" at the end).
+// first) and the chunkwise prefill (`kda_chunk_forward_`, "The chunked prefill" at the end; its vector code is
+// kda_chunk.h, compiled here for AVX-512 and for AVX2).
 //
 // One decode step for a batch, each sequence's state updated in place in the cache
 // (horizon.model.kda: `kda_recurrent` for one token is the reference). Per sequence b and head h, with
@@ -90,6 +91,19 @@ void head_avx2(const Step& p, int64_t b, int64_t h, float* u) { head_body(p, b, 
 
 using HeadFn = void (*)(const Step&, int64_t, int64_t);
 
+// One chunked-prefill problem (see "The chunked prefill" below): q, k, g [B, T, H, K], v [B, T, H, V], beta
+// [B, T, H], o [B, T, H, V], S [B, H, K, V] the entering states, updated in place into the final ones.
+struct Chunked {
+  const float *q, *k, *v, *g, *beta;
+  float *o, *S;
+  int64_t T, H, C;
+  float scale;
+};
+
+inline int64_t chunk_buffer_floats(int64_t C, int64_t K) { return 5 * C * K + 2 * C * K + 2 * C * C + 3 * C * K + 18 * K + C; }
+
+using ChunkedFn = void (*)(const Chunked&, int64_t, int64_t, float*);
+
 #if HZ_KDA_AVX512
 
 bool kda_cpu_has_avx512() { return hz::cpu_has_avx512(); }
@@ -136,234 +150,68 @@ HeadFn head_avx512_for(int64_t V) {
   }
 }
 
-// rows [16, K] -> [K, 16]: 16 consecutive rows with one column of each per vector
-HZ_KDA_TARGET inline void transpose_block(const float* src, int64_t K, float* dst) {
-  for (int64_t j = 0; j < 16; ++j)
-    for (int64_t d = 0; d < K; ++d) dst[d * 16 + j] = src[j * K + d];
+// The chunked prefill's vector code (kda_chunk.h), compiled once for AVX-512 (16 lanes) and once for AVX2 (8).
+namespace chunk_avx512 {
+#define HZ_CT HZ_KDA_TARGET
+constexpr int64_t L = 16;
+using vec = __m512;
+HZ_CT inline vec vzero() { return _mm512_setzero_ps(); }
+HZ_CT inline vec set1(float x) { return _mm512_set1_ps(x); }
+HZ_CT inline vec load(const float* p) { return _mm512_loadu_ps(p); }
+HZ_CT inline void store(float* p, vec v) { _mm512_storeu_ps(p, v); }
+HZ_CT inline vec add(vec a, vec b) { return _mm512_add_ps(a, b); }
+HZ_CT inline vec sub(vec a, vec b) { return _mm512_sub_ps(a, b); }
+HZ_CT inline vec mul(vec a, vec b) { return _mm512_mul_ps(a, b); }
+HZ_CT inline vec fmadd(vec a, vec b, vec c) { return _mm512_fmadd_ps(a, b, c); }
+HZ_CT inline vec fnmadd(vec a, vec b, vec c) { return _mm512_fnmadd_ps(a, b, c); }
+HZ_CT inline vec vexp(vec x) { return hz::exp_nonpositive(x); }
+HZ_CT inline vec own_decay(vec e, vec tiny, int self) {
+  return _mm512_mask_mov_ps(_mm512_maskz_mov_ps(_mm512_cmp_ps_mask(e, tiny, _CMP_GE_OQ), e),
+                            static_cast<__mmask16>(1u << self), _mm512_set1_ps(1.0f));
 }
+HZ_CT inline vec upto(vec v, int last) { return _mm512_maskz_mov_ps(static_cast<__mmask16>((2u << last) - 1u), v); }
+#include "kda_chunk.h"
+#undef HZ_CT
+}  // namespace chunk_avx512
 
-// One chunk's scores (see "The chunked prefill" below), k, q and G [C, K] contiguous: out_k[i][j] =
-// sum_d k_i[d] k_j[d] exp(G_i[d] - G_j[d]) and out_q[i][j] the same with q_i, for j <= i; 0 above. buf: 3 C K + 18 K.
-HZ_KDA_TARGET void chunk_scores_avx512(const float* k, const float* q, const float* G, int64_t C, int64_t K,
-                                       float* out_k, float* out_q, float* buf) {
-  // block-transposed [C / 16][K][16] copies: one vector holds a column d of 16 consecutive rows j (ET: the
-  // diagonal blocks' decays, carried from row to row)
-  float *kT = buf, *ET = kT + C * K, *rT = ET + C * K, *tmp = rT + C * K, *s = tmp + 16 * K;
-  const __m512 zero = _mm512_setzero_ps();
-  for (int64_t J = 0; J < C / 16; ++J) {
-    const float* Gr = G + (16 * J + 15) * K;  // block J's last row
-    for (int64_t j = 0; j < 16; ++j) {  // the right factor k_j exp(G_r - G_j), formed once per chunk
-      const int64_t row = (16 * J + j) * K;
-      for (int64_t c = 0; c < K; c += 16) {
-        const __m512 e = hz::exp_nonpositive(_mm512_sub_ps(_mm512_loadu_ps(Gr + c), _mm512_loadu_ps(G + row + c)));
-        _mm512_storeu_ps(tmp + j * K + c, _mm512_mul_ps(_mm512_loadu_ps(k + row + c), e));
-      }
-    }
-    transpose_block(tmp, K, rT + J * 16 * K);
-    transpose_block(k + J * 16 * K, K, kT + J * 16 * K);
-  }
-  for (int64_t i = 0; i < C; ++i) {
-    const int64_t I = i / 16;
-    const float *Gi = G + i * K, *ki = k + i * K, *qi = q + i * K;
-    float *ok = out_k + i * C, *oq = out_q + i * C;
-    for (int64_t J = 0; J < I; ++J) {  // blocks before i's own: the left factor x_i exp(G_i - G_r)
-      const float* Gr = G + (16 * J + 15) * K;
-      for (int64_t c = 0; c < K; c += 16) {
-        const __m512 e = hz::exp_nonpositive(_mm512_sub_ps(_mm512_loadu_ps(Gi + c), _mm512_loadu_ps(Gr + c)));
-        _mm512_storeu_ps(s + c, _mm512_mul_ps(_mm512_loadu_ps(ki + c), e));
-        _mm512_storeu_ps(s + K + c, _mm512_mul_ps(_mm512_loadu_ps(qi + c), e));
-      }
-      const float* R = rT + J * 16 * K;
-      __m512 ak0 = zero, ak1 = zero, aq0 = zero, aq1 = zero;  // two chains each: half the FMA latency
-      for (int64_t d = 0; d < K; d += 2) {
-        const __m512 r0 = _mm512_loadu_ps(R + d * 16), r1 = _mm512_loadu_ps(R + (d + 1) * 16);
-        ak0 = _mm512_fmadd_ps(_mm512_set1_ps(s[d]), r0, ak0);
-        aq0 = _mm512_fmadd_ps(_mm512_set1_ps(s[K + d]), r0, aq0);
-        ak1 = _mm512_fmadd_ps(_mm512_set1_ps(s[d + 1]), r1, ak1);
-        aq1 = _mm512_fmadd_ps(_mm512_set1_ps(s[K + d + 1]), r1, aq1);
-      }
-      _mm512_storeu_ps(ok + 16 * J, _mm512_add_ps(ak0, ak1));
-      _mm512_storeu_ps(oq + 16 * J, _mm512_add_ps(aq0, aq1));
-    }
-    // i's own block: E(i, j) = exp(G_i - G_j) = E(i - 1, j) exp(G_i - G_{i-1}) for j < i, 1 at j = i, 0 past it,
-    // carried from row to row in ETI ([K][16]): one multiply per (d, 16 columns) where exp(G_i - G_j) took a
-    // vector exponential. Values below 1e-30 are flushed to 0 (they are nothing beside 1, and would otherwise
-    // go subnormal, which is slow, under strong decay).
-    const int li = static_cast<int>(i % 16);
-    const float* KT = kT + I * 16 * K;
-    float* ETI = ET + I * 16 * K;
-    if (li)
-      for (int64_t c = 0; c < K; c += 16)
-        _mm512_storeu_ps(tmp + c, hz::exp_nonpositive(_mm512_sub_ps(_mm512_loadu_ps(Gi + c),
-                                                                    _mm512_loadu_ps(Gi - K + c))));
-    const __m512 tiny = _mm512_set1_ps(1e-30f), one = _mm512_set1_ps(1.0f);
-    const __mmask16 self = static_cast<__mmask16>(1u << li);
-    __m512 ak = zero, aq = zero;
-    for (int64_t d = 0; d < K; ++d) {
-      __m512 e = li ? _mm512_mul_ps(_mm512_loadu_ps(ETI + d * 16), _mm512_set1_ps(tmp[d])) : zero;
-      e = _mm512_mask_mov_ps(_mm512_maskz_mov_ps(_mm512_cmp_ps_mask(e, tiny, _CMP_GE_OQ), e), self, one);
-      _mm512_storeu_ps(ETI + d * 16, e);
-      const __m512 kd = _mm512_mul_ps(_mm512_loadu_ps(KT + d * 16), e);
-      ak = _mm512_fmadd_ps(_mm512_set1_ps(ki[d]), kd, ak);
-      aq = _mm512_fmadd_ps(_mm512_set1_ps(qi[d]), kd, aq);
-    }
-    const __mmask16 upto = static_cast<__mmask16>((2u << (i % 16)) - 1u);  // lanes j <= i
-    _mm512_storeu_ps(ok + 16 * I, _mm512_maskz_mov_ps(upto, ak));
-    _mm512_storeu_ps(oq + 16 * I, _mm512_maskz_mov_ps(upto, aq));
-    std::fill(ok + 16 * (I + 1), ok + C, 0.0f);
-    std::fill(oq + 16 * (I + 1), oq + C, 0.0f);
-  }
+namespace chunk_avx2 {
+#define HZ_CT __attribute__((target("avx2,fma")))
+constexpr int64_t L = 8;
+using vec = __m256;
+HZ_CT inline vec vzero() { return _mm256_setzero_ps(); }
+HZ_CT inline vec set1(float x) { return _mm256_set1_ps(x); }
+HZ_CT inline vec load(const float* p) { return _mm256_loadu_ps(p); }
+HZ_CT inline void store(float* p, vec v) { _mm256_storeu_ps(p, v); }
+HZ_CT inline vec add(vec a, vec b) { return _mm256_add_ps(a, b); }
+HZ_CT inline vec sub(vec a, vec b) { return _mm256_sub_ps(a, b); }
+HZ_CT inline vec mul(vec a, vec b) { return _mm256_mul_ps(a, b); }
+HZ_CT inline vec fmadd(vec a, vec b, vec c) { return _mm256_fmadd_ps(a, b, c); }
+HZ_CT inline vec fnmadd(vec a, vec b, vec c) { return _mm256_fnmadd_ps(a, b, c); }
+HZ_CT inline vec vexp(vec x) { return hz::exp_nonpositive(x); }
+HZ_CT inline __m256i lane_ids() { return _mm256_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7); }
+HZ_CT inline vec own_decay(vec e, vec tiny, int self) {
+  const vec kept = _mm256_and_ps(_mm256_cmp_ps(e, tiny, _CMP_GE_OQ), e);
+  return _mm256_blendv_ps(kept, _mm256_set1_ps(1.0f),
+                          _mm256_castsi256_ps(_mm256_cmpeq_epi32(lane_ids(), _mm256_set1_epi32(self))));
 }
-
-// out[i][:] (=, or += with add) alpha * sum_{d < D} a(i, d) B[d][:] for rows i < M, where a(i, d) = A[i * ars + d * acs]
-// and rows of B and out are 16 NV wide (strides ldb, ldc). lower: A is zero past its diagonal, so row i stops at
-// d = i + 1 (i + 2 for a pair of rows). Two rows at a time: 2 NV independent chains of FMAs.
-template <int NV>
-HZ_KDA_TARGET void gemm_rows(int64_t M, int64_t D, const float* A, int64_t ars, int64_t acs, const float* Bm,
-                             int64_t ldb, float* out, int64_t ldc, float alpha, bool add, bool lower) {
-  const __m512 zero = _mm512_setzero_ps(), scale = _mm512_set1_ps(alpha);
-  for (int64_t i = 0; i < M; i += 2) {
-    const bool two = i + 1 < M;
-    const int64_t Di = lower ? std::min(D, i + 2) : D;
-    const float *a0 = A + i * ars, *a1 = A + (two ? i + 1 : i) * ars;
-    __m512 c0[NV], c1[NV];
-    for (int c = 0; c < NV; ++c) c0[c] = c1[c] = zero;
-    for (int64_t d = 0; d < Di; ++d) {
-      const float* b = Bm + d * ldb;
-      const __m512 x0 = _mm512_set1_ps(a0[d * acs]), x1 = _mm512_set1_ps(a1[d * acs]);
-      for (int c = 0; c < NV; ++c) {
-        const __m512 bv = _mm512_loadu_ps(b + 16 * c);
-        c0[c] = _mm512_fmadd_ps(x0, bv, c0[c]);
-        c1[c] = _mm512_fmadd_ps(x1, bv, c1[c]);
-      }
-    }
-    for (int r = 0; r < (two ? 2 : 1); ++r) {
-      float* o = out + (i + r) * ldc;
-      for (int c = 0; c < NV; ++c) {
-        __m512 v = _mm512_mul_ps(scale, r ? c1[c] : c0[c]);
-        if (add) v = _mm512_add_ps(v, _mm512_loadu_ps(o + 16 * c));
-        _mm512_storeu_ps(o + 16 * c, v);
-      }
-    }
-  }
+HZ_CT inline vec upto(vec v, int last) {
+  return _mm256_and_ps(_mm256_castsi256_ps(_mm256_cmpgt_epi32(_mm256_set1_epi32(last + 1), lane_ids())), v);
 }
-
-// X <- (I + L)^-1 X for L strictly lower triangular [C][C] (the diagonal and above are not read) and X of C rows
-// 16 N wide (row stride ldx): forward substitution, X_i -= sum_{j < i} L_ij X_j, row i in registers, even and odd
-// j in separate chains.
-template <int N>
-HZ_KDA_TARGET void forward_substitute(int64_t C, const float* L, float* X, int64_t ldx) {
-  for (int64_t i = 1; i < C; ++i) {
-    float* xi = X + i * ldx;
-    __m512 even[N], odd[N];
-    for (int c = 0; c < N; ++c) {
-      even[c] = _mm512_loadu_ps(xi + 16 * c);
-      odd[c] = _mm512_setzero_ps();
-    }
-    int64_t j = 0;
-    for (; j + 1 < i; j += 2) {
-      const __m512 l0 = _mm512_set1_ps(L[i * C + j]), l1 = _mm512_set1_ps(L[i * C + j + 1]);
-      const float *x0 = X + j * ldx, *x1 = x0 + ldx;
-      for (int c = 0; c < N; ++c) {
-        even[c] = _mm512_fnmadd_ps(l0, _mm512_loadu_ps(x0 + 16 * c), even[c]);
-        odd[c] = _mm512_fnmadd_ps(l1, _mm512_loadu_ps(x1 + 16 * c), odd[c]);
-      }
-    }
-    if (j < i) {
-      const __m512 l0 = _mm512_set1_ps(L[i * C + j]);
-      for (int c = 0; c < N; ++c) even[c] = _mm512_fnmadd_ps(l0, _mm512_loadu_ps(X + j * ldx + 16 * c), even[c]);
-    }
-    for (int c = 0; c < N; ++c) _mm512_storeu_ps(xi + 16 * c, _mm512_add_ps(even[c], odd[c]));
-  }
-}
-
-// One chunked-prefill problem (see "The chunked prefill" below): q, k, g [B, T, H, K], v [B, T, H, V], beta
-// [B, T, H], o [B, T, H, V], S [B, H, K, V] the entering states, updated in place into the final ones.
-struct Chunked {
-  const float *q, *k, *v, *g, *beta;
-  float *o, *S;
-  int64_t T, H, C;
-  float scale;
-};
-
-inline int64_t chunk_buffer_floats(int64_t C, int64_t K) { return 5 * C * K + 2 * C * K + 2 * C * C + 3 * C * K + 18 * K + C; }
-
-// Every chunk of sequence b, head h, in order (K = V = 16 N). buf: chunk_buffer_floats(C, K).
-template <int N>
-HZ_KDA_TARGET void chunked_head(const Chunked& p, int64_t b, int64_t h, float* buf) {
-  constexpr int64_t K = 16 * N, V = K, W = K + V;
-  const int64_t C = p.C, H = p.H, T = p.T;
-  float *qc = buf, *kc = qc + C * K, *G = kc + C * K, *dec = G + C * K, *gl = dec + C * K;
-  float *X = gl + C * K, *A = X + C * W, *Aq = A + C * C, *sbuf = Aq + C * C, *beta = sbuf + 3 * C * K + 18 * K;
-  float* S = p.S + (b * H + h) * K * V;
-  const __m512 zero = _mm512_setzero_ps(), scale = _mm512_set1_ps(p.scale);
-  for (int64_t t0 = 0; t0 < T; t0 += C) {
-    const int64_t n = std::min(C, T - t0);
-    // the chunk's rows, contiguous; past n zeros with g = beta = 0 (the state passes through them unchanged)
-    for (int64_t i = 0; i < C; ++i) {
-      const int64_t row = (b * T + t0 + i) * H + h;
-      const bool real = i < n;
-      for (int c = 0; c < N; ++c) {
-        const int64_t o = 16 * c;
-        const __m512 gi = real ? _mm512_loadu_ps(p.g + row * K + o) : zero;
-        _mm512_storeu_ps(G + i * K + o, i ? _mm512_add_ps(_mm512_loadu_ps(G + (i - 1) * K + o), gi) : gi);
-        _mm512_storeu_ps(qc + i * K + o, real ? _mm512_mul_ps(_mm512_loadu_ps(p.q + row * K + o), scale) : zero);
-        _mm512_storeu_ps(kc + i * K + o, real ? _mm512_loadu_ps(p.k + row * K + o) : zero);
-        _mm512_storeu_ps(X + i * W + K + o, real ? _mm512_loadu_ps(p.v + row * V + o) : zero);
-      }
-      beta[i] = real ? p.beta[row] : 0.0f;
-    }
-    chunk_scores_avx512(kc, qc, G, C, K, A, Aq, sbuf);
-    // (I + diag(beta) A) [W | U] = diag(beta) [k exp(G) | v]
-    for (int64_t i = 0; i < C; ++i) {
-      const __m512 bi = _mm512_set1_ps(beta[i]);
-      for (int64_t j = 0; j < i; j += 16)
-        _mm512_storeu_ps(A + i * C + j, _mm512_mul_ps(bi, _mm512_loadu_ps(A + i * C + j)));
-      for (int c = 0; c < N; ++c) {
-        const int64_t o = 16 * c;
-        const __m512 e = hz::exp_nonpositive(_mm512_loadu_ps(G + i * K + o));
-        _mm512_storeu_ps(X + i * W + o, _mm512_mul_ps(bi, _mm512_mul_ps(_mm512_loadu_ps(kc + i * K + o), e)));
-        _mm512_storeu_ps(X + i * W + K + o, _mm512_mul_ps(bi, _mm512_loadu_ps(X + i * W + K + o)));
-        _mm512_storeu_ps(dec + i * K + o, _mm512_mul_ps(_mm512_loadu_ps(qc + i * K + o), e));  // q exp(G)
-        const __m512 last = _mm512_loadu_ps(G + (C - 1) * K + o);  // k exp(G_last - G)
-        _mm512_storeu_ps(gl + i * K + o, _mm512_mul_ps(_mm512_loadu_ps(kc + i * K + o),
-                                                       hz::exp_nonpositive(_mm512_sub_ps(last, _mm512_loadu_ps(G + i * K + o)))));
-      }
-    }
-    forward_substitute<2 * N>(C, A, X, W);
-    float *U = X + K, *out = p.o + ((b * T + t0) * H + h) * V;
-    gemm_rows<N>(C, K, X, W, 1, S, V, U, W, -1.0f, true, false);            // v_new = U - W S, in U's place
-    gemm_rows<N>(n, K, dec, K, 1, S, V, out, H * V, 1.0f, false, false);   // o = q exp(G) S
-    gemm_rows<N>(n, C, Aq, C, 1, U, W, out, H * V, 1.0f, true, true);      //   + Aqk v_new
-    for (int c = 0; c < N; ++c)  // S <- exp(G_last) S + (k exp(G_last - G))^T v_new
-      _mm512_storeu_ps(sbuf + 16 * c, hz::exp_nonpositive(_mm512_loadu_ps(G + (C - 1) * K + 16 * c)));
-    for (int64_t d = 0; d < K; ++d) {
-      const __m512 a = _mm512_set1_ps(sbuf[d]);
-      for (int c = 0; c < N; ++c) _mm512_storeu_ps(S + d * V + 16 * c, _mm512_mul_ps(a, _mm512_loadu_ps(S + d * V + 16 * c)));
-    }
-    gemm_rows<N>(K, C, gl, 1, K, U, W, S, V, 1.0f, true, false);
-  }
-}
-
-using ChunkedFn = void (*)(const Chunked&, int64_t, int64_t, float*);
-
-ChunkedFn chunked_head_for(int64_t K) {
-  switch (K) {
-    case 16: return chunked_head<1>;
-    case 32: return chunked_head<2>;
-    case 64: return chunked_head<4>;
-    case 128: return chunked_head<8>;
-    default: return nullptr;
-  }
-}
+#include "kda_chunk.h"
+#undef HZ_CT
+}  // namespace chunk_avx2
 
 #else
 
 bool kda_cpu_has_avx512() { return false; }
 bool kda_cpu_has_avx2() { return false; }
 HeadFn head_avx512_for(int64_t) { return nullptr; }
-using ChunkedFn = void (*)();
+namespace chunk_avx512 {
 ChunkedFn chunked_head_for(int64_t) { return nullptr; }
+}
+namespace chunk_avx2 {
+ChunkedFn chunked_head_for(int64_t) { return nullptr; }
+}
 
 #endif
 
@@ -436,14 +284,15 @@ at::Tensor kda_decode_(at::Tensor& state, const at::Tensor& slot_, const at::Ten
 // Why: the reference makes ~30 PyTorch calls a group of chunks and ~8 a chunk, over [.., C, C, K]-sized decay
 // temporaries: 20 ms for 512 tokens of `small`'s 8 heads of 64, a fifth of an eager 512-token prefill. Here
 // one (sequence, head) keeps its chunk's rows, scores and state in L1 and L2 (~200 KB at C = K = 64).
-// The scores: one row i against 16 columns j at once (a vector, j in lanes); a block J of columns before i's
+// The scores: one row i against L columns j at once (a vector, j in lanes); a block J of columns before i's
 // block factorises through J's last row r, as in the reference, (x_i exp(G_i - G_r)) . (k_j exp(G_r - G_j)), the
 // right factor formed once per chunk; i's own block carries exp(G_i - G_j) from row i - 1 as a running product of
-// the per-token decays exp(G_i - G_{i-1}) (one multiply per (d, 16 columns), where a vector exponential each
+// the per-token decays exp(G_i - G_{i-1}) (one multiply per (d, L columns), where a vector exponential each
 // made the kernel 1.2x slower). Every exponent is <= 0 (g = log alpha <= 0) and every product <= 1, so nothing
 // overflows however strong the decay.
-// AVX-512 only, K = V in {16, 32, 64, 128}, C a multiple of 16: elsewhere (and with gradients: no backward) the
-// caller runs the reference, which PyTorch vectorises; a scalar loop here would be slower. Work: parallel over
+// AVX-512 (L = 16) or AVX2 (L = 8; kda_chunk.h holds the code, compiled for each), K = V in {16, 32, 64, 128},
+// C a multiple of 16: elsewhere (and with gradients: no backward) the caller runs the reference, which PyTorch
+// vectorises; a scalar loop here would be slower. Work: parallel over
 // (sequence, head) pairs; positions past a sequence's length are whatever the caller padded them with (the
 // engine's batches: g = beta = 0, which leave the state unchanged).
 at::Tensor kda_chunk_forward_(at::Tensor& state, const at::Tensor& q_, const at::Tensor& k_, const at::Tensor& v_,
@@ -461,8 +310,10 @@ at::Tensor kda_chunk_forward_(at::Tensor& state, const at::Tensor& q_, const at:
               "], got ", state.scalar_type(), " ", state.sizes());
   TORCH_CHECK(chunk > 0 && chunk % 16 == 0, "kda_chunk_forward_: the chunk size must be a positive multiple of 16, got ",
               chunk);
-  const ChunkedFn fn = kda_cpu_has_avx512() ? chunked_head_for(K) : nullptr;
-  TORCH_CHECK(fn, "kda_chunk_forward_: needs AVX-512 and K = V in {16, 32, 64, 128}, got K = ", K,
+  const ChunkedFn fn = kda_cpu_has_avx512() ? chunk_avx512::chunked_head_for(K)
+                       : kda_cpu_has_avx2()   ? chunk_avx2::chunked_head_for(K)
+                                              : nullptr;
+  TORCH_CHECK(fn, "kda_chunk_forward_: needs AVX-512 or AVX2 and K = V in {16, 32, 64, 128}, got K = ", K,
               " (horizon.model.kda.kda_chunkwise_reference otherwise)");
   const at::Tensor q = q_.contiguous(), k = k_.contiguous(), v = v_.contiguous(), g = g_.contiguous(),
                    beta = beta_.contiguous();
