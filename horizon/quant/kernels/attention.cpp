@@ -270,23 +270,12 @@ HZ_AVX512 void chunk_avx512(const Problem& P, int64_t b, int64_t i0, int64_t i1,
 // the reference's 5.8, compiled; the AVX-512 kernel 1.7; a Xeon with HORIZON_AVX512=0).
 #define HZ_AVX2 __attribute__((target("avx2,fma")))
 
-HZ_AVX2 inline __m256i lanes_upto8(int64_t n) {  // lanes 0 .. n-1 set (for maskload / maskstore / blendv)
-  return _mm256_cmpgt_epi32(_mm256_set1_epi32(static_cast<int>(std::min<int64_t>(std::max<int64_t>(n, 0), 8))),
-                            _mm256_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7));
-}
-
 // 8 vectors -> one vector whose lane i holds v[i]'s horizontal sum: two rounds of pairwise adds within 128-bit
 // halves, then the halves of the two results added.
 HZ_AVX2 inline __m256 sum8(const __m256* v) {
   const __m256 a = _mm256_hadd_ps(_mm256_hadd_ps(v[0], v[1]), _mm256_hadd_ps(v[2], v[3]));  // [0 1 2 3 | 0 1 2 3]
   const __m256 b = _mm256_hadd_ps(_mm256_hadd_ps(v[4], v[5]), _mm256_hadd_ps(v[6], v[7]));  // [4 5 6 7 | 4 5 6 7]
   return _mm256_add_ps(_mm256_permute2f128_ps(a, b, 0x20), _mm256_permute2f128_ps(a, b, 0x31));
-}
-
-HZ_AVX2 inline float hsum8(__m256 v) {
-  __m128 x = _mm_add_ps(_mm256_castps256_ps128(v), _mm256_extractf128_ps(v, 1));
-  x = _mm_add_ps(x, _mm_movehl_ps(x, x));
-  return _mm_cvtss_f32(_mm_add_ss(x, _mm_movehdup_ps(x)));
 }
 
 HZ_AVX2 inline float hmax8(__m256 v) {
@@ -299,7 +288,7 @@ HZ_AVX2 inline float hmax8(__m256 v) {
 HZ_AVX2 void group_avx2(const Problem& P, const float* const* rows, int n, const float* const* ahead, int n_ahead,
                         const float* q, Partial s, float* probs /* [H, 8] */) {
   const int64_t W = P.W, V = P.V, H = P.H;
-  const __m256 live = _mm256_castsi256_ps(lanes_upto8(n));
+  const __m256 live = _mm256_castsi256_ps(hz::lanes_below(n));
   for (int64_t h = 0; h < H; ++h) {
     for (int64_t i = h; i < n_ahead; i += H)  // spread over the heads: a few rows each
       for (int64_t b = 0; b < W * 4; b += 64)
@@ -323,7 +312,7 @@ HZ_AVX2 void group_avx2(const Problem& P, const float* const* rows, int n, const
       d[7] = _mm256_fmadd_ps(_mm256_loadu_ps(r7 + j), qv, d[7]);
     }
     if (j < W) {
-      const __m256i m = lanes_upto8(W - j);
+      const __m256i m = hz::lanes_below(W - j);
       const __m256 qv = _mm256_maskload_ps(qh + j, m);
       for (int i = 0; i < 8; ++i) d[i] = _mm256_fmadd_ps(_mm256_maskload_ps(rows[i] + j, m), qv, d[i]);
     }
@@ -336,18 +325,18 @@ HZ_AVX2 void group_avx2(const Problem& P, const float* const* rows, int n, const
       const __m256 cv = _mm256_set1_ps(c);
       float* acc = s.acc + h * V;
       for (int64_t j = 0; j < V; j += 8) {
-        const __m256i m = lanes_upto8(V - j);
+        const __m256i m = hz::lanes_below(V - j);
         _mm256_maskstore_ps(acc + j, m, _mm256_mul_ps(_mm256_maskload_ps(acc + j, m), cv));
       }
       s.m[h] = top;
     }
     const __m256 e = _mm256_and_ps(live, hz::exp_nonpositive(_mm256_sub_ps(sc, _mm256_set1_ps(top))));
-    s.l[h] += hsum8(e);
+    s.l[h] += hz::hsum8(e);
     _mm256_storeu_ps(probs + h * 8, e);
   }
   // acc[h] += sum_i probs[h, i] * row_i[:V]: each row vector loaded once for all heads
   for (int64_t j = 0; j < V; j += 8) {
-    const __m256i m = lanes_upto8(V - j);
+    const __m256i m = hz::lanes_below(V - j);
     __m256 r[8];
     for (int i = 0; i < 8; ++i) r[i] = _mm256_maskload_ps(rows[i] + j, m);
     for (int64_t h = 0; h < H; ++h) {

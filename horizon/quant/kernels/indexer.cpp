@@ -68,12 +68,6 @@ inline void prefetch_row(const float* ahead, int64_t r, int64_t d) {
 // accumulators over j mod 4, and two rows at a time, so a row's 4 chains of d / 4 dependent FMAs overlap with
 // the other's (one row, as in the portable code compiled for AVX2 that it replaced, was bound by one chain's
 // latency: 64K keys took 4.8 ms against 1.0 on the AVX-512 path; a Xeon with HORIZON_AVX512=0).
-HZ_AVX2 inline float hsum8(__m256 v) {
-  __m128 x = _mm_add_ps(_mm256_castps256_ps128(v), _mm256_extractf128_ps(v, 1));
-  x = _mm_add_ps(x, _mm_movehl_ps(x, x));
-  return _mm_cvtss_f32(_mm_add_ss(x, _mm_movehdup_ps(x)));
-}
-
 // q's 8 lanes of heads at p (masked: a last chunk of fewer, the lanes past it zero; masked loads cost more than
 // plain ones, on AMD cores especially, so full chunks take plain ones)
 template <bool kMasked>
@@ -114,8 +108,7 @@ HZ_AVX2 inline void head_chunk(const float* k0, const float* k1, const float* qt
 
 HZ_AVX2 void rows_avx2(const float* keys, int64_t n, const float* qt, const float* w, int64_t d, int64_t H,
                        float* out, const float* ahead) {
-  const __m256i m = _mm256_cmpgt_epi32(_mm256_set1_epi32(static_cast<int>(H % 8)),
-                                       _mm256_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7));  // the last chunk's lanes
+  const __m256i m = hz::lanes_below(H % 8);  // the last chunk's lanes
   for (int64_t r = 0; r < n; r += 2) {
     prefetch_row(ahead, r, d);
     prefetch_row(ahead, r + 1, d);
@@ -125,8 +118,8 @@ HZ_AVX2 void rows_avx2(const float* keys, int64_t n, const float* qt, const floa
     int64_t h0 = 0;
     for (; h0 + 8 <= H; h0 += 8) head_chunk<false>(k0, k1, qt, w, d, H, h0, m, total0, total1);
     if (h0 < H) head_chunk<true>(k0, k1, qt, w, d, H, h0, m, total0, total1);
-    out[r] = hsum8(total0);
-    if (r + 1 < n) out[r + 1] = hsum8(total1);
+    out[r] = hz::hsum8(total0);
+    if (r + 1 < n) out[r + 1] = hz::hsum8(total1);
   }
 }
 #endif

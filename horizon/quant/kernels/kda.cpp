@@ -195,7 +195,7 @@ HZ_CT inline vec own_decay(vec e, vec tiny, int self) {
                           _mm256_castsi256_ps(_mm256_cmpeq_epi32(lane_ids(), _mm256_set1_epi32(self))));
 }
 HZ_CT inline vec upto(vec v, int last) {
-  return _mm256_and_ps(_mm256_castsi256_ps(_mm256_cmpgt_epi32(_mm256_set1_epi32(last + 1), lane_ids())), v);
+  return _mm256_and_ps(_mm256_castsi256_ps(hz::lanes_below(last + 1)), v);
 }
 #include "kda_chunk.h"
 #undef HZ_CT

@@ -328,13 +328,6 @@ HZ_ROWS_AVX2 inline __m256 load8(const int8_t* p) {
   return _mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(_mm_loadl_epi64(reinterpret_cast<const __m128i*>(p))));
 }
 
-HZ_ROWS_AVX2 inline float hsum8(__m256 v) {
-  __m128 s = _mm_add_ps(_mm256_castps256_ps128(v), _mm256_extractf128_ps(v, 1));
-  s = _mm_add_ps(s, _mm_movehl_ps(s, s));
-  s = _mm_add_ss(s, _mm_movehdup_ps(s));
-  return _mm_cvtss_f32(s);
-}
-
 template <int R>
 constexpr int tile_rows_avx2() {
   return R == 1 ? 6 : R == 2 ? 4 : 3;
@@ -358,7 +351,7 @@ HZ_ROWS_AVX2 void tile_avx2(const T* w, const float* x, int64_t K, float* res) {
     }
   }
   for (int r = 0; r < R; ++r)
-    for (int t = 0; t < NT; ++t) res[r * NT + t] = hsum8(acc[r][t]);
+    for (int t = 0; t < NT; ++t) res[r * NT + t] = hz::hsum8(acc[r][t]);
 }
 
 template <typename T, int R>

@@ -5,6 +5,7 @@
 
 #include <immintrin.h>
 
+#include <cstdint>
 #include <cstdlib>
 #include <cstring>
 
@@ -26,6 +27,19 @@ inline bool cpu_has_avx512() {
 inline bool cpu_has_avx2() {
   static const bool has = __builtin_cpu_supports("avx2") && __builtin_cpu_supports("fma");
   return has;
+}
+
+// The AVX2 paths' horizontal sum of 8 lanes, in one order everywhere: the halves, then pairs, then the last two.
+__attribute__((target("avx2,fma"))) inline float hsum8(__m256 v) {
+  __m128 x = _mm_add_ps(_mm256_castps256_ps128(v), _mm256_extractf128_ps(v, 1));
+  x = _mm_add_ps(x, _mm_movehl_ps(x, x));
+  return _mm_cvtss_f32(_mm_add_ss(x, _mm_movehdup_ps(x)));
+}
+
+// Lanes 0 .. n-1 of 8 all ones, the rest zero (n clamped to [0, 8]): masks for maskload, maskstore, blendv, and.
+__attribute__((target("avx2,fma"))) inline __m256i lanes_below(int64_t n) {
+  const int k = static_cast<int>(n < 0 ? 0 : n > 8 ? 8 : n);
+  return _mm256_cmpgt_epi32(_mm256_set1_epi32(k), _mm256_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7));
 }
 
 // exp(x) for x <= 0, relative error ~2e-7: Cody-Waite reduction by ln 2 and a degree-6 polynomial (Cephes'
