@@ -31,7 +31,7 @@ from common import kernel_args, kernel_parser, log
 import horizon.model.kda as kda_mod
 from horizon import HorizonForCausalLM, ModelConfig
 from horizon.model import HorizonCache
-from horizon.quant.kernels import has_avx2, has_avx512
+from horizon.quant.kernels import vector_path
 
 LENGTHS, QUICK_LENGTHS = (512, 2048, 8192), (512, 2048)
 MODEL_LENGTHS, QUICK_MODEL_LENGTHS = (512, 2048), (512,)
@@ -86,10 +86,10 @@ def main() -> None:
     ap = kernel_parser(__doc__, 5, "two lengths, two rounds")
     ap.add_argument("--no-model", action="store_true", help="skip the whole-model prefill")
     args = kernel_args(ap)
-    if not (has_avx512() or has_avx2()):
+    path = vector_path()
+    if path == "portable":
         raise SystemExit("the kernel has no vector path on this CPU (AVX-512 or AVX2): kda_chunkwise takes the "
                          "reference here, nothing to compare")
-    path = "avx512" if has_avx512() else "avx2"
     repeats = 2 if args.quick else args.repeats
     cfg = ModelConfig.preset("small")
     H, K, C = cfg.kda_num_heads, cfg.kda_head_dim, cfg.kda_chunk_size

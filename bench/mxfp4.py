@@ -168,7 +168,7 @@ def call_us(op, x: torch.Tensor, copies: list, ids: list, portable: bool, q8: bo
 
 def kernel_bench(cfg: ModelConfig, preset: str, repeats: int, seed: int) -> None:
     """fp32 against int8 and bf16 activations in the fused kernel (the module docstring's --kernel)."""
-    from horizon.quant.kernels import has_amx, has_avx2, has_avx512, int8_path, kernel_available
+    from horizon.quant.kernels import has_amx, int8_path, kernel_available, vector_path
 
     if not kernel_available():
         raise SystemExit("bench/mxfp4.py --kernel: the C++ kernel did not build (see the warning above)")
@@ -213,7 +213,7 @@ def kernel_bench(cfg: ModelConfig, preset: str, repeats: int, seed: int) -> None
                                             for x, y in zip(times["fp32"], times["bf16"], strict=True)]})
             print(json.dumps(results[-1]), flush=True)
     print(json.dumps({"bench": "mxfp4-kernel", "preset": preset,
-                      "path": "avx512" if has_avx512() else "avx2" if has_avx2() else "portable",
+                      "path": vector_path(),
                       "int8_path": int8_path(), "bf16_path": "amx" if has_amx() else "fma",
                       "threads": torch.get_num_threads(), "torch": torch.__version__,
                       "repeats": repeats, "read_GBps": round(read, 2), "results": results}))

@@ -28,7 +28,7 @@ import torch
 import torch.nn.functional as F
 from common import kernel_args, kernel_parser, read_bandwidth, timed
 
-from horizon.quant.kernels import has_amx, has_avx2, has_avx512, rows_matmul
+from horizon.quant.kernels import has_amx, rows_matmul, vector_path
 
 SHAPES = {"expert_gate_up": (1024, 512), "projection": (512, 512), "lm_head": (32768, 512)}
 COLD_BYTES = 192 << 20  # the copies of one weight together: several times a server CPU's L3
@@ -59,8 +59,7 @@ def main() -> None:
     shapes = [s for s in args.shapes if not (args.quick and s == "lm_head")]
     repeats, calls = (1, 5) if args.quick else (args.repeats, 20)
     res = {"bench": "rows", "threads": args.threads, "torch": torch.__version__, "repeats": repeats,
-           "path": "avx512" if has_avx512() else "avx2" if has_avx2() else "portable",
-           "bf16_path": "amx" if has_amx() else "avx512" if has_avx512() else "avx2" if has_avx2() else "portable",
+           "path": vector_path(), "bf16_path": "amx" if has_amx() else vector_path(),
            "results": []}
     bandwidths = []
     for shape in shapes:

@@ -18,7 +18,7 @@ from horizon.model.kda import (
     kda_recurrent,
     short_conv,
 )
-from horizon.quant.kernels import has_avx2, has_avx512, kernel_available
+from horizon.quant.kernels import kernel_available, vector_path
 
 from .conftest import tiny_model
 
@@ -266,8 +266,7 @@ def test_decode_kernel_in_a_compiled_graph_updates_the_cache_itself():
 
 # the chunkwise kernel's vector paths (AVX-512, or AVX2: HORIZON_AVX512=0 sends it there, and the rerun in
 # test_mxfp4_kernel.py takes the tests named chunkwise_kernel so)
-needs_vector_path = pytest.mark.skipif(not (kernel_available() and (has_avx512() or has_avx2())),
-                                       reason="no AVX-512 or AVX2 kernel path here")
+needs_vector_path = pytest.mark.skipif(vector_path() == "portable", reason="no AVX-512 or AVX2 kernel path here")
 
 
 @needs_vector_path

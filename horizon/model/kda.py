@@ -123,8 +123,7 @@ def kda_chunkwise(q, k, v, g, beta, scale: float | None = None, initial_state=No
 
     B, T, H, K = q.shape
     if (not _needs_grad(q, k, v, g, beta, initial_state) and v.shape[-1] == K and K in (16, 32, 64, 128)
-            and chunk_size % 16 == 0 and kernels.kernels_run_on(q.device)
-            and (kernels.has_avx512() or kernels.has_avx2())):
+            and chunk_size % 16 == 0 and kernels.kernels_run_on(q.device) and kernels.vector_path() != "portable"):
         state = (q.new_zeros(B, H, K, K, dtype=torch.float32) if initial_state is None
                  else initial_state.float().clone().contiguous())
         scale = K**-0.5 if scale is None else scale

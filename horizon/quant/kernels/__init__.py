@@ -241,6 +241,12 @@ def has_avx512() -> bool:
     return _vector_path("has_avx512")
 
 
+def vector_path() -> str:
+    """Which vector path the kernels take on this CPU: "avx512", "avx2" (AVX2 and FMA without AVX-512, or
+    HORIZON_AVX512=0), else "portable" (their C++ loops, or no kernel at all). Compile-safe, as has_avx512()."""
+    return "avx512" if has_avx512() else "avx2" if has_avx2() else "portable"
+
+
 def has_amx() -> bool:
     """Whether the kernels' AMX paths run here (the CPU has AMX-BF16, Linux grants the process its tile state, and
     HORIZON_AMX is not 0): rows_matmul's bf16 x bf16 products, and mxfp4_expert_matmul's for activations that are
@@ -524,4 +530,4 @@ __all__ = ["FEW_ROWS", "FUSED_ONE_ROW_MAX", "cache_dir", "dequantize_activations
            "has_amx", "has_avx2", "has_avx512",
            "int8_path", "kernel_available", "kernels_run_on", "mxfp4_expert_matmul", "mxfp4_expert_matmul_reference",
            "mxfp4_kernel_runs_on", "mxfp4_matmul", "quantize_activations", "round_activations", "rows_matmul",
-           "rows_matmul_reference", "sort_by_expert"]
+           "rows_matmul_reference", "sort_by_expert", "vector_path"]

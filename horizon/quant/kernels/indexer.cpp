@@ -64,12 +64,8 @@ inline void prefetch_row(const float* ahead, int64_t r, int64_t d) {
 #ifdef HZ_X86
 #define HZ_AVX2 __attribute__((target("avx2,fma")))
 
-// The AVX2 path (AVX2 and FMA without AVX-512): heads in chunks of 8 lanes (the last one masked), per chunk 4
-// accumulators over j mod 4, and two rows at a time, so a row's 4 chains of d / 4 dependent FMAs overlap with
-// the other's (one row, as in the portable code compiled for AVX2 that it replaced, was bound by one chain's
-// latency: 64K keys took 4.8 ms against 1.0 on the AVX-512 path; a Xeon with HORIZON_AVX512=0).
 // q's 8 lanes of heads at p (masked: a last chunk of fewer, the lanes past it zero; masked loads cost more than
-// plain ones, on AMD cores especially, so full chunks take plain ones)
+// plain ones, on AMD cores especially, so full chunks take plain ones).
 template <bool kMasked>
 HZ_AVX2 inline __m256 load_heads(const float* p, __m256i m) {
   if constexpr (kMasked) return _mm256_maskload_ps(p, m);
@@ -102,10 +98,16 @@ HZ_AVX2 inline void head_chunk(const float* k0, const float* k1, const float* qt
     b0 = _mm256_fmadd_ps(_mm256_broadcast_ss(k1 + j), q0, b0);
   }
   const __m256 wv = load_heads<kMasked>(w + h0, m);  // zero past H: those lanes add nothing
-  total0 = _mm256_fmadd_ps(_mm256_max_ps(_mm256_add_ps(_mm256_add_ps(a0, a1), _mm256_add_ps(a2, a3)), zero), wv, total0);
-  total1 = _mm256_fmadd_ps(_mm256_max_ps(_mm256_add_ps(_mm256_add_ps(b0, b1), _mm256_add_ps(b2, b3)), zero), wv, total1);
+  const __m256 heads0 = _mm256_add_ps(_mm256_add_ps(a0, a1), _mm256_add_ps(a2, a3));
+  const __m256 heads1 = _mm256_add_ps(_mm256_add_ps(b0, b1), _mm256_add_ps(b2, b3));
+  total0 = _mm256_fmadd_ps(_mm256_max_ps(heads0, zero), wv, total0);
+  total1 = _mm256_fmadd_ps(_mm256_max_ps(heads1, zero), wv, total1);
 }
 
+// The AVX2 path (AVX2 and FMA without AVX-512): heads in chunks of 8 lanes (the last one masked), per chunk 4
+// accumulators over j mod 4, and two rows at a time, so a row's 4 chains of d / 4 dependent FMAs overlap with
+// the other's (one row, as in the portable code compiled for AVX2 that it replaced, was bound by one chain's
+// latency: 64K keys took 4.8 ms against 1.0 on the AVX-512 path; a Xeon with HORIZON_AVX512=0).
 HZ_AVX2 void rows_avx2(const float* keys, int64_t n, const float* qt, const float* w, int64_t d, int64_t H,
                        float* out, const float* ahead) {
   const __m256i m = hz::lanes_below(H % 8);  // the last chunk's lanes

@@ -84,8 +84,8 @@ HZ_CT void chunk_scores(const float* k, const float* q, const float* G, int64_t 
 // The vector registers a path has: it bounds the accumulators the loops below keep.
 constexpr int kRegisters = L == 16 ? 32 : 16;
 
-// out[i][:] (=, or += with add) alpha * sum_{d < D} a(i, d) B[d][:] for rows i < M, where a(i, d) = A[i * ars + d * acs]
-// and rows of B and out are L NV wide (strides ldb, ldc). lower: A is zero past its diagonal, so row i stops at
+// out[i][:] (=, or += with add_to) alpha * sum_{d < D} a(i, d) B[d][:] for rows i < M, where
+// a(i, d) = A[i * ars + d * acs] and rows of B and out are L NV wide (strides ldb, ldc). lower: A is zero past its diagonal, so row i stops at
 // d = i + 1 (i + 2 for a pair of rows). Two rows at a time where 2 NV accumulators fit half the registers (2 NV
 // independent chains of FMAs), else one; a row wider than that in pieces of P vectors.
 template <int NV>

@@ -69,7 +69,8 @@ __attribute__((target("avx512f"))) inline __m512 exp_nonpositive(__m512 x) {
 __attribute__((target("avx2,fma"))) inline __m256 exp_nonpositive(__m256 x) {
   using namespace exp_coef;
   x = _mm256_max_ps(x, _mm256_set1_ps(kMin));
-  const __m256 n = _mm256_round_ps(_mm256_mul_ps(x, _mm256_set1_ps(kLog2e)), _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
+  const __m256 n = _mm256_round_ps(_mm256_mul_ps(x, _mm256_set1_ps(kLog2e)),
+                                   _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
   x = _mm256_fnmadd_ps(n, _mm256_set1_ps(kLn2Hi), x);
   x = _mm256_fnmadd_ps(n, _mm256_set1_ps(kLn2Lo), x);
   __m256 y = _mm256_set1_ps(kPoly[0]);
