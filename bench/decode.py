@@ -55,6 +55,8 @@ from common import (
 
 from horizon import ModelConfig
 from horizon.engine import Engine, EngineConfig
+from horizon.engine.memory import arena
+from horizon.engine.memory import unavailable as huge_pages_unavailable
 from horizon.model import HorizonForCausalLM
 
 OPTIONS = ("repeats", "batches", "prompt", "new_tokens", "hf_attn", "glm5_hc_mult", "no_transformers", "formats",
@@ -94,10 +96,13 @@ DIFFERENCES = {
 }
 
 
-def gemv_bandwidth(dtype: torch.dtype, mbytes: int = 256) -> float:
-    """GB/s that a [1, K] x [K, N] product streams weights at (a batch-1 decode step's main cost)."""
+def gemv_bandwidth(dtype: torch.dtype, mbytes: int = 256, huge_pages: bool = False) -> float:
+    """GB/s that a [1, K] x [K, N] product streams weights at (a batch-1 decode step's main cost); with
+    `huge_pages`, its matrix on 2 MB pages as a compiled CPU runner places the model's weights."""
     k = 4096
     w = torch.randn(mbytes * 2**20 // (4 * k), k).to(dtype)
+    if huge_pages:
+        w = arena(w.nbytes).view(dtype).view(w.shape).copy_(w)
     x = torch.randn(1, k).to(dtype)
     return w.nbytes / min(linear_times(x, w, 6)) / 1e9
 
@@ -151,6 +156,9 @@ def section(args, cfg: ModelConfig, ours: dict, tok, hf: dict, quiet: Quiet) -> 
     compile_s = {name: round(obj.runner.compile_seconds, 1) for name, (obj, run) in runners.items()
                  if isinstance(obj, Engine)}
     log(f"compile seconds: {compile_s}")
+    placement = {name: obj.runner.weight_placement.describe() for name, (obj, run) in runners.items()
+                 if isinstance(obj, Engine)}
+    log(f"weight placement: {placement}")
     runs: dict[str, dict[int, list[dict]]] = {name: defaultdict(list) for name in runners}
     for r in range(args.repeats):
         for batch in args.batches:
@@ -177,10 +185,14 @@ def section(args, cfg: ModelConfig, ours: dict, tok, hf: dict, quiet: Quiet) -> 
                 paired = [o["tok_per_s"] / t["tok_per_s"] for o, t in zip(runs[ours_name][b], runs[family][b],
                                                                           strict=True)]
                 ratios[f"paired_ratios_vs_{family}_batch{b}{tail}"] = [round(x, 3) for x in paired]
-    bw = gemv_bandwidth(torch.float32)  # memory bandwidth a weight-streaming matrix-vector product reaches
+    # memory bandwidth a weight-streaming matrix-vector product reaches, its matrix placed as our weights are
+    # (engine/memory.py: on 2 MB pages where a compiled runner can put them), and on 4 KB pages for reference
+    huge = not args.enforce_eager and huge_pages_unavailable() is None
+    bw = gemv_bandwidth(torch.float32, huge_pages=huge)
+    bw_4k = gemv_bandwidth(torch.float32) if huge else bw
     floors = {}
     for name, model in ours.items():
-        floors[name] = {"gemv_GBps": round(bw, 2)}
+        floors[name] = {"gemv_GBps": round(bw, 2), "gemv_huge_pages": huge, "gemv_GBps_4k_pages": round(bw_4k, 2)}
         for b in args.batches:
             nbytes = step_weight_bytes(model, b)
             floor_ms = 1000 * nbytes / (bw * 1e9)
@@ -209,7 +221,8 @@ def section(args, cfg: ModelConfig, ours: dict, tok, hf: dict, quiet: Quiet) -> 
                                                                      / table["ours_bf16"][str(b)]["tok_per_s"])
     log(f"decode: {json.dumps(rounded(ratios))}")
     dec = {"table": table, "transformers_models": hf_info, "floors": floors, "prompt": args.prompt,
-           "new_tokens": args.new_tokens, "compiled": not args.enforce_eager, "compile_seconds": compile_s}
+           "new_tokens": args.new_tokens, "compiled": not args.enforce_eager, "compile_seconds": compile_s,
+           "weight_placement": placement}
     return {**ratios, "decode": dec, "differences": DIFFERENCES if hf else None}
 
 

@@ -15,6 +15,7 @@ import torch
 
 from horizon import ModelConfig
 from horizon.engine import Engine, EngineConfig, Request, SamplingParams
+from horizon.engine.memory import unavailable
 from horizon.engine.runner import ModelRunner, StepInputs
 from horizon.model import HorizonCache, HorizonForCausalLM
 from horizon.model.moe import MoE
@@ -137,6 +138,19 @@ def test_no_recompiles_as_the_context_grows(pair):
     steps = decode_both(pair, ps, 60)  # context 20 -> 80
     assert graphs() == before
     assert all((a - b).abs().max().item() <= 1e-5 * max(1.0, b.abs().max().item()) for a, b in steps)
+
+
+def test_the_compiled_runner_reads_its_weights_from_one_huge_page_arena(pair, model):
+    """The compiled runner moved the model's weights into one arena before compiling (engine/memory.py), so
+    every compiled check in this module ran on them; the eager runner left them where they were."""
+    compiled, eager = pair
+    if unavailable() is not None:
+        assert compiled.weight_placement.arena_bytes == 0
+        pytest.skip(f"no huge pages here: {unavailable()}")
+    placed = compiled.weight_placement
+    assert placed.arena_bytes > 0 and "MiB in one arena" in placed.describe()
+    assert len({t.untyped_storage().data_ptr() for t in [*model.parameters(), *model.buffers()]}) == 1
+    assert eager.weight_placement.arena_bytes == 0 and eager.weight_placement.reason == "an eager runner"
 
 
 def test_runners_over_different_models_keep_their_own_graphs(pair, model):

@@ -41,6 +41,7 @@ import torch
 from torch._guards import detect_fake_mode
 from torch._inductor.custom_graph_pass import CustomGraphPass
 
+from horizon.engine.memory import Placement, place_weights
 from horizon.model import Batch, HorizonCache
 from horizon.model.options import ForwardOptions
 from horizon.quant.kernels import FEW_ROWS, FUSED_ONE_ROW_MAX, few_rows
@@ -191,6 +192,14 @@ class ModelRunner:
 
             mxfp4_kernel_runs_on(self.device)
             model.use_decode_layouts()
+        # the weights in one arena on 2 MB pages (engine/memory.py): after the re-layout, before any graph
+        # (compiled runners only: the eager one is the reference, and training may hold the model it serves)
+        if not compile:
+            self.weight_placement = Placement(reason="an eager runner")
+        elif self.device.type != "cpu":
+            self.weight_placement = Placement(reason=f"on {self.device.type}, not the CPU")
+        else:
+            self.weight_placement = place_weights(model)
 
     # --- the step -------------------------------------------------------------------------------
     @torch.inference_mode()
