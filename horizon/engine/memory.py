@@ -73,11 +73,29 @@ def unavailable() -> str | None:
 
 def arena(nbytes: int) -> torch.Tensor:
     """A zero-filled uint8 CPU tensor of `nbytes`, starting on a 2 MB boundary, in private anonymous memory
-    advised for huge pages before its first touch (so the kernel can fault it in 2 MB at a time)."""
-    buf = mmap.mmap(-1, nbytes + HUGE_PAGE, flags=mmap.MAP_PRIVATE | mmap.MAP_ANONYMOUS)
+    advised for huge pages before its first touch (so the kernel can fault it in 2 MB at a time).
+
+    The mapping's first and last 4 KB pages are made inaccessible: the kernel merges adjacent anonymous
+    mappings with the same flags into one, and /proc/self/smaps (huge_bytes) would then count a neighbour's
+    huge pages (another model's arena) as this one's."""
+    buf = mmap.mmap(-1, nbytes + 2 * HUGE_PAGE, flags=mmap.MAP_PRIVATE | mmap.MAP_ANONYMOUS)
     buf.madvise(mmap.MADV_HUGEPAGE)
-    start = -torch.frombuffer(buf, dtype=torch.uint8, count=1).data_ptr() % HUGE_PAGE
+    first = torch.frombuffer(buf, dtype=torch.uint8, count=1).data_ptr()
+    _guard(first)
+    _guard(first + len(buf) - mmap.PAGESIZE)
+    start = HUGE_PAGE - first % HUGE_PAGE  # in (0, 2 MB]: the first page stays outside
     return torch.frombuffer(buf, dtype=torch.uint8, count=nbytes, offset=start)  # keeps `buf` alive while in use
+
+
+def _guard(address: int) -> None:
+    """mprotect(PROT_NONE) on the page at `address`; without libc's mprotect, nothing."""
+    try:
+        import ctypes
+
+        libc = ctypes.CDLL(None, use_errno=True)
+        libc.mprotect(ctypes.c_void_p(address), ctypes.c_size_t(mmap.PAGESIZE), 0)
+    except (OSError, AttributeError):
+        pass
 
 
 def huge_bytes(storage: torch.UntypedStorage) -> int:
