@@ -115,6 +115,10 @@ def huge_bytes(storage: torch.UntypedStorage) -> int:
     return total
 
 
+def _aligned(nbytes: int) -> int:
+    return -(-nbytes // ALIGN) * ALIGN
+
+
 def place_weights(module: torch.nn.Module) -> Placement:
     """Move every CPU parameter and buffer of `module` into one huge-page arena, in place: each tensor keeps
     its Python object (so whatever holds it, an optimizer or a tied module, still does), its values, shape and
@@ -124,28 +128,30 @@ def place_weights(module: torch.nn.Module) -> Placement:
         return Placement(reason=reason)
     tensors = [t for t in (*module.parameters(), *module.buffers())
                if type(t) in (torch.Tensor, torch.nn.Parameter) and t.device.type == "cpu" and t.numel()]
-    storages: dict[int, torch.UntypedStorage] = {}
+    by_storage: dict[int, list[torch.Tensor]] = {}  # the tensors over each storage
     for t in tensors:
-        storages.setdefault(t.untyped_storage().data_ptr(), t.untyped_storage())
-    if len(storages) == 1:  # placed already (a second runner over the same model): leave it
-        (only,) = storages.values()
-        return Placement(arena_bytes=only.nbytes(), huge_bytes=huge_bytes(only))
-    offsets, size = {}, 0
-    for ptr, s in storages.items():
-        offsets[ptr] = size
-        size += -(-s.nbytes() // ALIGN) * ALIGN
+        by_storage.setdefault(t.untyped_storage().data_ptr(), []).append(t)
+    del tensors
+    if len(by_storage) == 1:  # placed already (a second runner over the same model): leave it
+        (only,) = by_storage.values()
+        storage = only[0].untyped_storage()
+        return Placement(arena_bytes=storage.nbytes(), huge_bytes=huge_bytes(storage))
+    size = sum(_aligned(ts[0].untyped_storage().nbytes()) for ts in by_storage.values())
     if size < HUGE_PAGE:
         return Placement(reason=f"{size} bytes of weights, less than one 2 MB page")
-    space = arena(size)
+    space = arena(size)  # address space only: its pages are faulted in as the copies below reach them
+    store, offset = space.untyped_storage(), 0
     with torch.no_grad():
-        for ptr, s in storages.items():
-            space[offsets[ptr]:offsets[ptr] + s.nbytes()].copy_(torch.empty(0, dtype=torch.uint8).set_(s))
-        store = space.untyped_storage()
-        base = space.storage_offset()
-        for t in tensors:
-            start = base + offsets[t.untyped_storage().data_ptr()]
-            t.data = torch.empty(0, dtype=t.dtype).set_(store, start // t.element_size() + t.storage_offset(),
-                                                        t.shape, t.stride())
-    placed = Placement(arena_bytes=size, huge_bytes=huge_bytes(space.untyped_storage()))
+        # one storage at a time, its tensors re-pointed at once: its old memory is freed (when nothing else
+        # holds it) before the next is copied, so the move needs the weights' memory plus one storage, not twice
+        while by_storage:
+            _, ts = by_storage.popitem()
+            nbytes = ts[0].untyped_storage().nbytes()
+            space[offset:offset + nbytes].copy_(torch.empty(0, dtype=torch.uint8).set_(ts[0].untyped_storage()))
+            for t in ts:
+                t.data = torch.empty(0, dtype=t.dtype).set_(store, offset // t.element_size() + t.storage_offset(),
+                                                            t.shape, t.stride())
+            offset += _aligned(nbytes)
+    placed = Placement(arena_bytes=size, huge_bytes=huge_bytes(store))
     log.info("%s", placed.describe())
     return placed
