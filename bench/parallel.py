@@ -39,7 +39,7 @@ from pathlib import Path
 
 import torch
 from common import Recorder, decode_rate, log, machine_info, random_tokens, rounded, submit
-from decode import gemv_bandwidth, step_weight_bytes
+from decode import gemv_bandwidth, huge_pages_unavailable, step_weight_bytes
 
 from horizon import ModelConfig
 from horizon.chat import load_tokenizer
@@ -81,7 +81,9 @@ def worker(args) -> None:
     layout = Layout(tp, rank, args.ep and tp > 1)
     cfg, tok = ModelConfig.preset(args.preset), load_tokenizer()
     prompts = random_tokens(tok, cfg.vocab_size, (max(args.batches), args.prompt), torch.Generator().manual_seed(0))
-    bandwidth = gemv_bandwidth(torch.float32)  # every rank at once: the bandwidth each gets while the others stream
+    # every rank at once: the bandwidth each gets while the others stream; its matrix on 2 MB pages where the
+    # compiled runners put the weights there (engine/memory.py)
+    bandwidth = gemv_bandwidth(torch.float32, huge_pages=args.compile and huge_pages_unavailable() is None)
     rows = []
     for fmt in args.formats:
         model = build(cfg, fmt, args.seed, layout)

@@ -16,6 +16,9 @@ width), the cache's tensors are static inputs the graphs write in place, and the
 Validation (capacity, window) happens here, on host numbers, before the graph runs. Prefill
 chunks and mixed steps run eagerly: they are compute-bound, and their shapes vary step to step.
 
+A compiled runner on the CPU first moves the model's weights into one arena on 2 MB pages
+(horizon/engine/memory.py): every step streams them, and on 4 KB pages their address translations miss the TLB.
+
 Eager is the reference: `compile=False` (`horizon serve --enforce-eager`) runs every step through
 `model.forward_batch` directly, and the tests check the compiled step against it.
 
