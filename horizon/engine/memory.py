@@ -135,7 +135,7 @@ def place_weights(module: torch.nn.Module) -> Placement:
     if len(by_storage) == 1:  # placed already (a second runner over the same model): leave it
         (only,) = by_storage.values()
         storage = only[0].untyped_storage()
-        return Placement(arena_bytes=storage.nbytes(), huge_bytes=huge_bytes(storage))
+        return Placement(arena_bytes=storage.nbytes(), huge_bytes=min(storage.nbytes(), huge_bytes(storage)))
     size = sum(_aligned(ts[0].untyped_storage().nbytes()) for ts in by_storage.values())
     if size < HUGE_PAGE:
         return Placement(reason=f"{size} bytes of weights, less than one 2 MB page")
@@ -152,6 +152,7 @@ def place_weights(module: torch.nn.Module) -> Placement:
                 t.data = torch.empty(0, dtype=t.dtype).set_(store, offset // t.element_size() + t.storage_offset(),
                                                             t.shape, t.stride())
             offset += _aligned(nbytes)
-    placed = Placement(arena_bytes=size, huge_bytes=huge_bytes(store))
+    # (the arena starts on a 2 MB boundary, so a huge page past its end holds only its last bytes)
+    placed = Placement(arena_bytes=size, huge_bytes=min(size, huge_bytes(store)))
     log.info("%s", placed.describe())
     return placed
