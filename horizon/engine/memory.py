@@ -144,8 +144,9 @@ def place_weights(module: torch.nn.Module) -> Placement:
     with torch.no_grad():
         # one storage at a time, its tensors re-pointed at once: its old memory is freed (when nothing else
         # holds it) before the next is copied, so the move needs the weights' memory plus one storage, not twice
-        while by_storage:
-            _, ts = by_storage.popitem()
+        # in the model's parameter order, which is about the order a step reads them in
+        for key in list(by_storage):
+            ts = by_storage.pop(key)
             nbytes = ts[0].untyped_storage().nbytes()
             space[offset:offset + nbytes].copy_(torch.empty(0, dtype=torch.uint8).set_(ts[0].untyped_storage()))
             for t in ts:
