@@ -210,6 +210,31 @@ def test_decode_kernel_equals_reference_in_place(portable, K, V):
 
 
 @needs_kernels
+@pytest.mark.parametrize("portable", [pytest.param(False, id="simd"), pytest.param(True, id="portable")])
+def test_decode_kernel_reads_strided_rows_in_place(portable):
+    """Views as a compiled step passes them (slices of a wider projection, a transposed batch, a strided last
+    dimension, which is copied) give what contiguous copies of the same values give."""
+    state, q, k, v, g, beta = decode_inputs(B=5, H=3, K=32, V=32, slots=6)
+    slots = torch.tensor([4, 0, 2, 5, 1])
+    wide = torch.randn(5, 3, 96)
+    wide[..., 16:48] = q
+    qv = wide[..., 16:48]  # rows 96 apart, heads 96 apart
+    kt = k.transpose(0, 1).contiguous().transpose(0, 1)  # batch stride K, head stride B * K
+    vt = torch.randn(3, 5, 32)
+    vt.copy_(v.transpose(0, 1))
+    vt = vt.transpose(0, 1)  # [B, H, V] with batch stride 32, head stride 5 * 32
+    gs = torch.zeros(5, 3, 64)
+    gs[..., ::2] = g
+    gs = gs[..., ::2]  # last dimension strided: the kernel copies this one
+    bt = beta.t().contiguous().t()
+    assert not (qv.is_contiguous() or vt.is_contiguous() or gs.is_contiguous() or bt.is_contiguous())
+    want_state, got_state = state.clone(), state.clone()
+    want = kda_decode(want_state, slots, q, k, v, g, beta, force_portable=portable)
+    got = kda_decode(got_state, slots, qv, kt, vt, gs, bt, force_portable=portable)
+    assert torch.equal(got, want) and torch.equal(got_state, want_state)
+
+
+@needs_kernels
 def test_decode_kernel_steps_carry_the_state_like_the_chunkwise_form():
     """Twelve decode steps through the kernel end where one chunkwise pass over the same tokens ends."""
     q, k, v, g, beta, s0 = inputs(B=2, T=12, H=2, K=64, V=64, seed=3)
