@@ -4,8 +4,8 @@ A decode step streams every weight it uses from memory, and on 4 KB pages their 
 the TLB every step (the `small` preset's weights are 0.5 GB with MXFP4 experts, 2.4 GB in fp32: 130,000 to
 600,000 pages; a core's second-level TLB holds ~2,000 entries). On 2 MB pages they fit. Measured on a 2-core
 Xeon, cold weights alternated in one process: `rows_matmul` over 16 rows 16% faster, over one row 9%, the
-fused MXFP4 expert kernel alone 15-19%; in compiled `small` steps, fp32 batch 1 7% faster, 16 sequences with
-MXFP4 experts ~4% (docs/benchmarks.md, "Weights on 2 MB pages").
+fused MXFP4 expert kernel alone (int8 activations) 15-19%; in compiled `small` steps, fp32 batch 1 7% faster,
+16 sequences with MXFP4 experts ~4% (docs/benchmarks.md, "Weights on 2 MB pages").
 
 Why an arena and not `THP_MEM_ALLOC_ENABLE=1` (PyTorch's switch for every large allocation): that also puts
 each step's short-lived tensors on huge pages (each then faulted in and zeroed 2 MB at a time), and whole
@@ -13,7 +13,7 @@ compiled steps were slower with it. Here only the weights move, once, before the
 
 Linux with transparent huge pages in `madvise` or `always` mode; elsewhere (or with `HORIZON_HUGE_PAGES=0`)
 the weights stay where they are. The values, shapes, strides, names and aliasing of every tensor are kept
-(a tied weight stays one storage), so checkpoints, state dicts and forwards are unchanged.
+(tied weights still share their memory), so checkpoints, state dicts and forwards are unchanged.
 """
 
 from __future__ import annotations
