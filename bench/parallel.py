@@ -39,11 +39,12 @@ from pathlib import Path
 
 import torch
 from common import Recorder, decode_rate, log, machine_info, random_tokens, rounded, submit
-from decode import gemv_bandwidth, huge_pages_unavailable, step_weight_bytes
+from decode import gemv_bandwidth, step_weight_bytes
 
 from horizon import ModelConfig
 from horizon.chat import load_tokenizer
 from horizon.engine import Engine, EngineConfig
+from horizon.engine.memory import unavailable as huge_pages_unavailable
 from horizon.model import HorizonForCausalLM
 from horizon.parallel.group import destroy_group, init_group
 from horizon.parallel.shard import Layout, shard_model

@@ -98,7 +98,8 @@ def _guard(address: int) -> None:
 
 
 def huge_bytes(storage: torch.UntypedStorage) -> int:
-    """Bytes of the mappings under `storage` that the kernel backs with huge pages now (their AnonHugePages)."""
+    """Bytes of `storage` the kernel backs with huge pages now: the AnonHugePages of the mappings under it, at
+    most its own size (an arena starts on a 2 MB boundary, so a huge page past its end holds only its last bytes)."""
     lo, hi = storage.data_ptr(), storage.data_ptr() + storage.nbytes()
     total, inside = 0, False
     try:
@@ -112,7 +113,7 @@ def huge_bytes(storage: torch.UntypedStorage) -> int:
                     total += int(line.split()[1]) * 1024
     except (OSError, ValueError):
         return 0
-    return total
+    return min(total, storage.nbytes())
 
 
 def _aligned(nbytes: int) -> int:
@@ -135,16 +136,16 @@ def place_weights(module: torch.nn.Module) -> Placement:
     if len(by_storage) == 1:  # placed already (a second runner over the same model): leave it
         (only,) = by_storage.values()
         storage = only[0].untyped_storage()
-        return Placement(arena_bytes=storage.nbytes(), huge_bytes=min(storage.nbytes(), huge_bytes(storage)))
+        return Placement(arena_bytes=storage.nbytes(), huge_bytes=huge_bytes(storage))
     size = sum(_aligned(ts[0].untyped_storage().nbytes()) for ts in by_storage.values())
     if size < HUGE_PAGE:
         return Placement(reason=f"{size} bytes of weights, less than one 2 MB page")
     space = arena(size)  # address space only: its pages are faulted in as the copies below reach them
     store, offset = space.untyped_storage(), 0
     with torch.no_grad():
-        # one storage at a time, its tensors re-pointed at once: its old memory is freed (when nothing else
-        # holds it) before the next is copied, so the move needs the weights' memory plus one storage, not twice
-        # in the model's parameter order, which is about the order a step reads them in
+        # One storage at a time, its tensors re-pointed at once: its old memory is freed (when nothing else
+        # holds it) before the next is copied, so the move needs the weights' memory plus one storage, not twice.
+        # In the model's parameter order, which is about the order a step reads them in.
         for key in list(by_storage):
             ts = by_storage.pop(key)
             nbytes = ts[0].untyped_storage().nbytes()
@@ -153,7 +154,6 @@ def place_weights(module: torch.nn.Module) -> Placement:
                 t.data = torch.empty(0, dtype=t.dtype).set_(store, offset // t.element_size() + t.storage_offset(),
                                                             t.shape, t.stride())
             offset += _aligned(nbytes)
-    # (the arena starts on a 2 MB boundary, so a huge page past its end holds only its last bytes)
-    placed = Placement(arena_bytes=size, huge_bytes=min(size, huge_bytes(store)))
+    placed = Placement(arena_bytes=size, huge_bytes=huge_bytes(store))
     log.info("%s", placed.describe())
     return placed

@@ -249,7 +249,7 @@ at::Tensor kda_decode_(at::Tensor& state, const at::Tensor& slot_, const at::Ten
   check_rows("kda_decode_", beta_, "beta", {B, H});
   const at::Tensor slot = slot_.to(at::kLong).contiguous();
   // rows read in place (Rows): only an input whose last dimension is strided is copied
-  const auto rows = [](const at::Tensor& t) { return t.dim() > 2 && t.stride(-1) != 1 ? t.contiguous() : t; };
+  const auto rows = [](const at::Tensor& t) { return t.stride(-1) != 1 ? t.contiguous() : t; };
   const at::Tensor q = rows(q_), k = rows(k_), v = rows(v_), alpha = rows(alpha_), beta = beta_;
   const auto at_rows = [](const at::Tensor& t) { return Rows{t.data_ptr<float>(), t.stride(0), t.stride(1)}; };
   const int64_t* sp = slot.data_ptr<int64_t>();
