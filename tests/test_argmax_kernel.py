@@ -1,7 +1,8 @@
 """The greedy pick's kernel (horizon/quant/kernels/argmax.cpp): on both code paths (AVX-512 and portable) it
 returns exactly what torch.argmax does, ties (the first maximum), NaN (the first NaN), infinities and row
-lengths around the vector width included; `argmax_rows` falls back to torch.argmax where the kernel does not
-apply; the engine's greedy tokens go through it."""
+lengths around the vector width included, and per row whether torch.isfinite holds for all of it;
+`argmax_rows` and `argmax_and_finite` fall back to torch where the kernel does not apply; the engine's greedy
+tokens and its finite check go through it."""
 
 import os
 
@@ -9,7 +10,7 @@ import pytest
 import torch
 
 import horizon.quant.kernels as kernels
-from horizon.quant.kernels import argmax_rows, kernel_available
+from horizon.quant.kernels import argmax_and_finite, argmax_rows, kernel_available
 
 DISABLED = os.environ.get("HORIZON_KERNELS", "1").strip() == "0"
 pytestmark = pytest.mark.skipif(DISABLED, reason="HORIZON_KERNELS=0: the kernel is disabled")
@@ -18,6 +19,10 @@ PATHS = [pytest.param(False, id="simd"), pytest.param(True, id="portable")]
 
 
 def kernel(x, portable):
+    return kernel_and_finite(x, portable)[0]
+
+
+def kernel_and_finite(x, portable):
     assert kernel_available(), "the CPU kernels did not build (see the logged warning)"
     return torch.ops.horizon_kernels.argmax_rows(x, portable)
 
@@ -52,6 +57,18 @@ def test_equals_torch_argmax(portable, V):
 
 
 @pytest.mark.parametrize("portable", PATHS)
+@pytest.mark.parametrize("V", [1, 15, 16, 17, 33, 32768, 32771])
+def test_finite_flags_equal_torch_isfinite(portable, V):
+    for seed in range(3):
+        x = rows_with_specials(V, seed)
+        x = torch.cat([x, torch.full((1, V), 3e38), -torch.full((1, V), 3e38)])  # sums overflow, values finite
+        x[-1, V // 2] = float("-inf")
+        _, finite = kernel_and_finite(x, portable)
+        assert finite.dtype == torch.bool and torch.equal(finite, torch.isfinite(x).all(dim=-1)), (V, seed)
+        assert finite[0] and not finite[3] and not finite[-1]  # spot checks: randn; -inf rows
+
+
+@pytest.mark.parametrize("portable", PATHS)
 def test_a_non_contiguous_batch_and_one_row(portable):
     x = torch.randn(40, 300)[::2, 7:250]  # strided rows
     assert torch.equal(kernel(x, portable), x.argmax(dim=-1))
@@ -74,8 +91,22 @@ def test_argmax_rows_falls_back_to_torch_where_the_kernel_does_not_apply(monkeyp
     assert torch.equal(argmax_rows(x), x.argmax(dim=-1))
 
 
+def test_argmax_and_finite_match_torch_on_both_routes(monkeypatch):
+    x = rows_with_specials(1000, 0)
+    x = torch.cat([x, torch.full((1, 1000), 3e38)])  # all finite, but its sum overflows
+    want = (x.argmax(dim=-1), torch.isfinite(x).all(dim=-1))
+    assert kernel_available()
+    for _ in range(2):  # the kernel, then torch's sum check and its exact recheck (_built False)
+        best, finite = argmax_and_finite(x)
+        assert torch.equal(best, want[0]) and torch.equal(finite, want[1]) and finite[-1]
+        monkeypatch.setattr(kernels, "_built", False)
+    finite_only = x[[0, 10]]  # no row needs the recheck
+    assert argmax_and_finite(finite_only)[1].tolist() == [True, True]
+
+
 def test_the_engines_greedy_tokens_go_through_the_kernel(monkeypatch):
-    """Two greedy sequences decode through one argmax_rows call a step; the tokens are those torch.argmax picks."""
+    """Greedy sequences decode through one argmax_rows call a step, alone or two at once; the tokens are those
+    torch.argmax picks."""
     from torch.profiler import profile
 
     from horizon.chat import load_tokenizer
@@ -85,16 +116,20 @@ def test_the_engines_greedy_tokens_go_through_the_kernel(monkeypatch):
     assert kernel_available()
     tok = load_tokenizer()
 
-    def run() -> tuple[list[list[int]], int]:
+    def run(prompts) -> tuple[list[list[int]], int, int]:
         engine = Engine(tiny_model(), tok, EngineConfig(max_num_seqs=2, max_batch_tokens=32, max_model_len=64,
                                                          compile=False))
         params = SamplingParams(max_tokens=6, temperature=0, ignore_eos=True)
         with profile() as prof:
-            results = engine.generate([Request([5, 6, 7], params), Request([9, 10], params)])
-        calls = sum(e.count for e in prof.key_averages() if e.key == "horizon_kernels::argmax_rows")
-        return [r.token_ids for r in results], calls
+            results = engine.generate([Request(p, params) for p in prompts])
+        count = {e.key: e.count for e in prof.key_averages()}
+        calls, checks = count.get("horizon_kernels::argmax_rows", 0), count.get("aten::isfinite", 0)
+        return [r.token_ids for r in results], calls, checks
 
-    tokens, calls = run()
-    assert calls >= 5  # one a step once both decode (the first step may prefill one row)
-    monkeypatch.setattr(kernels, "_built", False)
-    assert run() == (tokens, 0)
+    for prompts in ([[5, 6, 7], [9, 10]], [[5, 6, 7]]):  # two sequences, then one alone
+        monkeypatch.setattr(kernels, "_built", True)
+        tokens, calls, isfinite = run(prompts)
+        assert calls >= 5 and isfinite == 0  # one call a step (the first may prefill one row), no other check
+        monkeypatch.setattr(kernels, "_built", False)
+        tokens_torch, calls, isfinite = run(prompts)
+        assert tokens_torch == tokens and calls == 0 and isfinite >= 5

@@ -5,7 +5,8 @@ decode scores (`indexer.cpp`), its exact top-k (`topk.cpp`) and Gated DSA's deco
 latent rows (`attention.cpp`), all called from horizon.model.dsa beside their references, KDA's decode step on the
 cached states in place and its chunkwise prefill (`kda.cpp`, called from horizon.model.kda beside their
 references), the MoE router's group-limited top-k (`router.cpp`, called from horizon.model.moe beside its reference)
-and the engine's greedy pick (`argmax.cpp`: `argmax_rows` here, torch.argmax its reference).
+and the engine's greedy pick (`argmax.cpp`: `argmax_rows` and `argmax_and_finite` here, torch.argmax and
+torch.isfinite their references).
 
     out = mxfp4_expert_matmul(x, blocks, scales, expert)   # torch.ops.horizon.mxfp4_expert_matmul
     # x float [M, K]; blocks uint8 [E, N, nb, 16]; scales uint8 [E, N, nb]; expert int64 [M] in [0, E)
@@ -216,10 +217,27 @@ def argmax_rows(logits: torch.Tensor) -> torch.Tensor:
     through the kernel for fp32 CPU rows once this process has built it (the model runner builds it for
     compiled CPU decoding; picking a token never starts a build), else through torch.argmax. PyTorch's CPU
     argmax is a scalar loop: ~0.6 ms for 16 rows of a 32K vocabulary here."""
-    if (_built is True and logits.device.type == "cpu" and logits.dim() == 2 and logits.dtype == torch.float32
-            and logits.shape[1] > 0):
-        return torch.ops.horizon_kernels.argmax_rows(logits)
+    if _argmax_kernel_applies(logits):
+        return torch.ops.horizon_kernels.argmax_rows(logits)[0]
     return logits.argmax(dim=-1)
+
+
+def argmax_and_finite(logits: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """logits [B, V] -> (argmax_rows(logits), bool [B]: whether each row holds only finite values), in one pass of
+    the kernel where argmax_rows takes it. Otherwise each row's sum is checked (NaN and +-Inf carry through a sum;
+    ~1/30 of isfinite over the rows) and, when one is not finite, every row exactly (a sum of finite logits may
+    overflow)."""
+    if _argmax_kernel_applies(logits):
+        return torch.ops.horizon_kernels.argmax_rows(logits)
+    finite = torch.isfinite(logits.sum(dim=-1))
+    if not bool(finite.all()):
+        finite = torch.isfinite(logits).all(dim=-1)
+    return logits.argmax(dim=-1), finite
+
+
+def _argmax_kernel_applies(logits: torch.Tensor) -> bool:
+    return (_built is True and logits.device.type == "cpu" and logits.dim() == 2 and logits.dtype == torch.float32
+            and logits.shape[1] > 0)
 
 
 _vector_paths: dict[str, bool] = {}  # has_avx512() and has_avx2(), each once asked outside a compiled graph
