@@ -5,8 +5,8 @@
 // Why: the engine's greedy pick. PyTorch's CPU argmax is a scalar loop: 70 us for one row of a 32K vocabulary
 // and 630 us for 16 rows on this project's 2-core machine, against 11 / 33 us for amax (vectorised); 1-2% of a
 // decode step. Here one pass of AVX-512 compares per row (the rows in parallel); portable C++ otherwise.
-// The finite flags replace the engine's own check (a sum, isfinite and all: four ATen ops whose code a decode
-// step has pushed out of the caches by then, 0.1-0.15 ms a batch-1 step where they take ~15 us warm).
+// The finite flags replace the engine's own check (a sum, isfinite and all: ATen code that a decode step has
+// pushed out of the caches by then, 0.1-0.15 ms a batch-1 step where they take ~15 us warm).
 
 #include <ATen/ATen.h>
 #include <ATen/Parallel.h>
