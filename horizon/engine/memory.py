@@ -18,6 +18,8 @@ the weights stay where they are. The values, shapes, strides, names and aliasing
 
 from __future__ import annotations
 
+import ctypes
+import functools
 import logging
 import mmap
 import os
@@ -88,13 +90,18 @@ def arena(nbytes: int) -> torch.Tensor:
 
 def _guard(address: int) -> None:
     """mprotect(PROT_NONE) on the page at `address`; without libc's mprotect, nothing."""
-    try:
-        import ctypes
+    mprotect = _mprotect()
+    if mprotect is not None:
+        mprotect(ctypes.c_void_p(address), ctypes.c_size_t(mmap.PAGESIZE), 0)
 
-        libc = ctypes.CDLL(None, use_errno=True)
-        libc.mprotect(ctypes.c_void_p(address), ctypes.c_size_t(mmap.PAGESIZE), 0)
+
+@functools.cache
+def _mprotect():
+    """libc's mprotect, looked up once per process (None where there is none)."""
+    try:
+        return ctypes.CDLL(None, use_errno=True).mprotect
     except (OSError, AttributeError):
-        pass
+        return None
 
 
 def huge_bytes(storage: torch.UntypedStorage) -> int:
