@@ -115,3 +115,26 @@ def test_the_arena_is_aligned_and_backed_by_huge_pages():
     # (sizes off the 2 MB grid, as a model's are: the kernel does not space such mappings apart)
     b = arena(8 * HUGE_PAGE + 12_288)
     assert huge_bytes(b.untyped_storage()) == 0 and huge_bytes(a.untyped_storage()) > 0
+
+
+def mappings() -> list[tuple[int, int, str]]:
+    """(start, end, permissions) of this process's mappings, from /proc/self/maps, in address order."""
+    with open("/proc/self/maps") as f:
+        rows = [line.split()[:2] for line in f]
+    return [(*(int(v, 16) for v in span.split("-")), perms) for span, perms in rows]
+
+
+@needs_thp
+def test_each_arena_is_fenced_by_inaccessible_pages_wherever_the_kernel_puts_it():
+    # Without the fences the kernel may merge the arena with a neighbouring mapping of the same flags, and smaps
+    # would count the neighbour's huge pages as its own (the test above sees that only when two arenas land
+    # side by side). Here: the writable mapping under the arena has a 4 KB no-access page on each side.
+    for size in (HUGE_PAGE + 12_288, 3 * HUGE_PAGE):
+        a = arena(size)
+        maps = mappings()
+        (i,) = [k for k, (lo, hi, _) in enumerate(maps) if lo <= a.data_ptr() < hi]
+        lo, hi, perms = maps[i]
+        assert perms.startswith("rw") and hi >= a.data_ptr() + size, (size, maps[i])
+        # (a fence may merge with the next arena's: no-access mappings of the same flags, side by side)
+        assert maps[i - 1][1] == lo and maps[i - 1][2].startswith("---"), (maps[i - 1], maps[i])
+        assert maps[i + 1][0] == hi and maps[i + 1][2].startswith("---"), (maps[i], maps[i + 1])
