@@ -1,11 +1,18 @@
 """Choosing the next token from a sequence's logits: bias, penalties, temperature, top-k, top-p, seed.
 
 `sample(logits, params, generated, generator)` works on one sequence's fp32 logits [V]; the
-engine calls it per sequence after one batched forward (sampling is cheap next to the forward,
-and a per-request generator keeps seeded requests reproducible whatever else is in the batch).
+engine calls it per sequence after one batched forward (a per-request generator keeps seeded
+requests reproducible whatever else is in the batch).
+
+It must stay cheap next to the forward, and the textbook route is not: `torch.multinomial` draws
+an exponential per token (0.6 ms for 32K tokens on a 2-core Xeon) and top_p sorts the vocabulary
+(1.8 ms), per sequence per step, against a 10 ms batch-1 step. `candidates` narrows top_k / top_p
+without a full sort and `draw` takes one uniform number through the cumulative weights.
 """
 
 from __future__ import annotations
+
+import math
 
 import torch
 
@@ -13,6 +20,8 @@ from horizon.engine.params import SamplingParams
 from horizon.quant.kernels import argmax_rows
 
 BAN = -100.0  # a logit_bias of -100 bans the token outright (OpenAI: "should result in a ban")
+NUCLEUS_SORT_MAX = 1024  # top_p: up to this many candidates are sorted as they are, more are binned first
+BINS_PER_OCTAVE = 8  # the bins' width: the last one sorted holds tokens within 2^(1/8) (9%) of each other
 
 
 class NothingToSample(ValueError):
@@ -62,20 +71,62 @@ def sample(logits: torch.Tensor, params: SamplingParams, generated: list[int],
                               "together rule out every token of the vocabulary")
     if params.temperature == 0:
         return int(argmax_rows(logits[None])[0])
+    ids, weights = candidates(logits, params)
+    i = draw(weights, generator)
+    return i if ids is None else int(ids[i])
+
+
+def candidates(logits: torch.Tensor, params: SamplingParams) -> tuple[torch.Tensor | None, torch.Tensor]:
+    """The tokens a draw at `params.temperature` > 0 may return and their weights, probabilities up to one
+    factor: softmax(logits / temperature), cut to the top_k best logits (every token tied with the k-th
+    stays) and then to the nucleus, the fewest most likely tokens whose probability reaches top_p (the one
+    that crosses it included; the most likely always stays). `ids` None: every token, weights [V].
+
+    Without sorting the vocabulary (1.8 ms for 32K logits on a 2-core Xeon): the weights are counted into bins
+    an eighth of an octave wide; the bins before the one where the running mass reaches top_p are kept whole,
+    and only that bin's tokens are sorted to find where the nucleus ends. The kept tokens come in no order."""
     # the best logit is 0 before dividing, so any temperature > 0 stays finite (a tiny one acts as greedy)
-    logits = (logits - logits.max()) / params.temperature
-    if params.top_k and params.top_k < logits.shape[0]:
-        kth = logits.topk(params.top_k).values[-1]
-        logits = logits.masked_fill(logits < kth, float("-inf"))
-    probs = torch.softmax(logits, dim=-1)
-    if params.top_p < 1.0:
-        sorted_probs, order = probs.sort(descending=True)
-        # keep the smallest prefix whose mass reaches top_p (the token that crosses it included)
-        drop = sorted_probs.cumsum(0) - sorted_probs >= params.top_p
-        drop[0] = False  # the most likely token always stays (a top_p below fp32's resolution reads as 0)
-        sorted_probs = sorted_probs.masked_fill(drop, 0.0)
-        probs = torch.zeros_like(probs).scatter_(0, order, sorted_probs)
-    return int(torch.multinomial(probs, 1, generator=generator))
+    z = (logits - logits.max()) / params.temperature
+    ids = None
+    if params.top_k and params.top_k < z.shape[0]:
+        kth = z.topk(params.top_k).values[-1]
+        ids = torch.nonzero(z >= kth).squeeze(1)
+        z = z[ids]
+    weights = torch.exp(z)  # the best token 1, the others in [0, 1]
+    if params.top_p >= 1.0:
+        return ids, weights
+    if z.shape[0] <= NUCLEUS_SORT_MAX:
+        whole, edge, before = None, None, weights.new_zeros((), dtype=torch.float64)
+        target = params.top_p * weights.sum(dtype=torch.float64)
+    else:
+        # bin b holds the weights in (2^-(b+1)/8, 2^-b/8]; the last bin everything below 2^-31 (and the -inf)
+        bins = (z * (-BINS_PER_OCTAVE / math.log(2))).clamp_(max=255).to(torch.uint8)
+        mass = torch.bincount(bins, weights=weights.double(), minlength=256).cumsum(0)
+        target = params.top_p * mass[-1]
+        last = int(torch.searchsorted(mass, target[None]))  # the first bin whose running mass reaches top_p
+        whole = torch.nonzero(bins < last).squeeze(1)  # every token of the bins before: less than top_p together
+        edge = torch.nonzero(bins == last).squeeze(1)
+        before = mass[last - 1] if last else mass.new_zeros(())
+    ranked, order = (weights if edge is None else weights[edge]).sort(descending=True)
+    # a token stays while the mass of the more likely tokens is below top_p: the first always does
+    n = int((before + ranked.cumsum(0, dtype=torch.float64) - ranked < target).sum())
+    order = order[:n] if edge is None else edge[order[:n]]
+    if whole is not None:
+        order = torch.cat([whole, order])
+    return (order if ids is None else ids[order]), weights[order]
+
+
+def draw(weights: torch.Tensor, generator: torch.Generator | None) -> int:
+    """An index drawn with probability weights[i] / weights.sum() (weights >= 0, at least one > 0): the first
+    whose running sum exceeds u * sum for one uniform u from `generator` (a CPU generator, whatever the
+    weights' device). One random number and one pass, where torch.multinomial draws an exponential per
+    entry (0.6 ms for 32K entries here)."""
+    cum = weights.cumsum(0, dtype=torch.float64)
+    u = float(torch.rand((), dtype=torch.float64, generator=generator))
+    i = int(torch.searchsorted(cum, cum[-1:] * u, right=True))
+    if i == cum.shape[0]:  # u * sum rounded up to the sum: the last token with any weight
+        i = int(torch.nonzero(weights).max())
+    return i
 
 
 def logprobs(logits: torch.Tensor, token: int, n: int) -> tuple[float, list[tuple[int, float]]]:
