@@ -3,8 +3,9 @@ textbook route it replaced, alone per row and inside compiled decode steps.
 
 - `rows`: one sequence's logits, V tokens, per setting (temperature, top_k, top_p). `textbook` is softmax, a
   sort of the vocabulary for top_p and `torch.multinomial` (an exponential drawn per token); `ours` is
-  `sample()`. Each is timed warm (the same few rows again and again) and `cold`: after streaming 200 MB, as
-  a decode step leaves the caches. Microseconds a row, medians of the rounds, paired ratios.
+  `sample()` through the CPU kernel (`sample.cpp`), `torch` its PyTorch route (`candidates`, `draw`). Each is
+  timed warm (the same few rows again and again) and `cold`: after streaming 200 MB, as a decode step leaves
+  the caches. Microseconds a row, medians of the rounds, paired ratios.
 - `engine`: a compiled `small` engine with MXFP4 experts stepping 1 and 16 sequences, greedy, sampled with
   `sample()` and sampled with the textbook route (patched into the engine), rounds interleaved; ms a step and
   what sampling adds to a greedy step. Its random weights give nearly flat logits (`flat`: the hardest case
@@ -27,10 +28,12 @@ import torch
 from common import Recorder, build_ours_pair, decode_rate, kernel_parser, log, new_request_id, random_tokens
 
 import horizon.engine.engine as engine_module
+import horizon.engine.sampler as sampler_module
 from horizon import ModelConfig
 from horizon.chat import load_tokenizer
 from horizon.engine import Engine, EngineConfig, Request, SamplingParams
 from horizon.engine.sampler import adjust_logits, sample
+from horizon.quant.kernels import kernel_available
 
 SETTINGS = {  # what clients send: OpenAI's default (1, 1), common chat settings, llama.cpp-style top_k
     "t1": dict(temperature=1.0),
@@ -66,6 +69,15 @@ def textbook(logits: torch.Tensor, params: SamplingParams, generated: list[int],
     return int(torch.multinomial(probs, 1, generator=generator))
 
 
+def torch_route(*args, **kw) -> int:
+    """sample() with the kernel switched off: its PyTorch route."""
+    saved, sampler_module.sample_row = sampler_module.sample_row, lambda *a: None
+    try:
+        return sample(*args, **kw)
+    finally:
+        sampler_module.sample_row = saved
+
+
 def row_times(fn, rows: list[torch.Tensor], params: SamplingParams, sweep: torch.Tensor | None, n: int) -> float:
     """Median microseconds a call over n calls (rows cycled); with `sweep`, 200 MB streamed before each."""
     g = torch.Generator().manual_seed(0)
@@ -88,14 +100,17 @@ def rows_section(repeats: int, n: int, vocabs) -> list[dict]:
         for name, kw in SETTINGS.items():
             p = SamplingParams(**kw)
             for cache, sw in (("warm", None), ("cold", sweep)):
-                ours, base = [], []
+                ours, tor, base = [], [], []
                 for _ in range(repeats):
                     ours.append(row_times(sample, rows, p, sw, n))
+                    tor.append(row_times(torch_route, rows, p, sw, n))
                     base.append(row_times(textbook, rows, p, sw, n))
-                o, b = statistics.median(ours), statistics.median(base)
-                log(f"V {v} {name:14s} {cache}: ours {o:7.1f} us, textbook {b:7.1f} us ({b / o:.2f}x)")
+                o, t, b = statistics.median(ours), statistics.median(tor), statistics.median(base)
+                log(f"V {v} {name:14s} {cache}: ours {o:7.1f} us, torch route {t:7.1f}, textbook {b:7.1f} "
+                    f"({b / o:.2f}x)")
                 out.append({"vocab": v, "setting": name, "caches": cache, "ours_us": round(o, 1),
-                            "textbook_us": round(b, 1), "ratio_vs_textbook": round(b / o, 2),
+                            "torch_route_us": round(t, 1), "textbook_us": round(b, 1),
+                            "ratio_vs_textbook": round(b / o, 2), "ratio_torch_route_vs_textbook": round(b / t, 2),
                             "paired_ratios_vs_textbook": [round(y / x, 2) for x, y in zip(ours, base, strict=True)]})
     return out
 
@@ -162,16 +177,17 @@ def main() -> None:
     ap.add_argument("--sections", nargs="+", default=["rows", "engine"], choices=["rows", "engine"])
     args = ap.parse_args()
     torch.set_num_threads(args.threads)
+    res_kernel = kernel_available()  # `ours` takes the kernel only once this process has built it
     repeats = 2 if args.quick else args.repeats
-    res = {"bench": "sampling", "quick": args.quick, "threads": args.threads}
+    res = {"bench": "sampling", "quick": args.quick, "threads": args.threads, "kernel": res_kernel}
     if "rows" in args.sections:
         res["rows"] = rows_section(repeats, 20 if args.quick else 40, VOCABS[:1] if args.quick else VOCABS)
     if "engine" in args.sections:
         res["engine"] = engine_section(repeats, 16 if args.quick else 48, (1, 16))
     if not args.json:
         for r in res.get("rows", []):
-            print(f"V {r['vocab']:6d} {r['setting']:14s} {r['caches']}: ours {r['ours_us']:8.1f} us, "
-                  f"textbook {r['textbook_us']:8.1f} us, {r['ratio_vs_textbook']:.2f}x")
+            print(f"V {r['vocab']:6d} {r['setting']:14s} {r['caches']}: ours {r['ours_us']:8.1f} us, torch route "
+                  f"{r['torch_route_us']:8.1f} us, textbook {r['textbook_us']:8.1f} us, {r['ratio_vs_textbook']:.2f}x")
         for b in ("1", "16"):
             if b in res.get("engine", {}):
                 e = res["engine"][b]

@@ -7,8 +7,10 @@ import pytest
 import torch
 from torch.profiler import ProfilerActivity, profile
 
+from horizon.engine import sampler
 from horizon.engine.params import SamplingParams
 from horizon.engine.sampler import NUCLEUS_SORT_MAX, candidates, draw, sample
+from horizon.quant.kernels import kernel_available
 
 
 def reference(logits: torch.Tensor, p: SamplingParams) -> dict[int, float]:
@@ -43,6 +45,23 @@ def logit_rows(v: int) -> dict[str, torch.Tensor]:
     banned = peaked.clone()
     banned[torch.randperm(v, generator=g)[: v // 3]] = -math.inf  # bans and a grammar's mask leave -inf
     return {"flat": flat, "peaked": peaked, "zipf": zipf, "ties": ties, "banned": banned}
+
+
+@pytest.fixture(scope="module")
+def kernel():
+    if not kernel_available():
+        pytest.skip("the CPU kernels are not built here")
+    return torch.ops.horizon_kernels.sample_row
+
+
+@pytest.fixture(params=["kernel", "reference"])
+def route(request, monkeypatch):
+    """sample() through the kernel (skipped where it is not built) or through its PyTorch reference."""
+    if request.param == "kernel":
+        request.getfixturevalue("kernel")
+    else:
+        monkeypatch.setattr(sampler, "sample_row", lambda *a: None)
+    return request.param
 
 
 SETTINGS = [SamplingParams(temperature=t, top_k=k, top_p=q)
@@ -80,21 +99,18 @@ def test_the_nucleus_keeps_the_token_that_crosses_top_p_and_always_the_best():
 def test_a_draw_is_the_first_index_whose_running_sum_passes_a_uniform_share():
     w = torch.tensor([0.0, 0.2, 0.0, 0.5, 0.3, 0.0])
     cum = w.double().cumsum(0)
-    for seed in range(200):
-        u = float(torch.rand((), dtype=torch.float64, generator=torch.Generator().manual_seed(seed)))
+    for u in torch.rand(200, dtype=torch.float64, generator=torch.Generator().manual_seed(0)).tolist():
         want = int((cum > u * cum[-1]).nonzero()[0])
-        assert draw(w, torch.Generator().manual_seed(seed)) == want
-    assert w[want] > 0
+        assert draw(w, u) == want and w[want] > 0
 
 
-def test_a_uniform_that_rounds_to_the_whole_sum_gives_the_last_token_with_weight(monkeypatch):
-    monkeypatch.setattr(torch, "rand", lambda *a, **k: torch.tensor(1.0, dtype=torch.float64))
-    assert draw(torch.tensor([0.25, 0.5, 0.0, 0.0]), None) == 1
+def test_a_uniform_that_rounds_to_the_whole_sum_gives_the_last_token_with_weight():
+    assert draw(torch.tensor([0.25, 0.5, 0.0, 0.0]), 1.0) == 1  # (u * sum == sum: as if u had rounded up)
 
 
 @pytest.mark.parametrize("p", [SamplingParams(temperature=1.0), SamplingParams(temperature=0.8, top_k=3),
                                SamplingParams(temperature=1.3, top_p=0.8)])
-def test_sampled_frequencies_follow_the_probabilities(p):
+def test_sampled_frequencies_follow_the_probabilities(p, route):
     logits = torch.tensor([2.0, 1.5, 1.0, 0.2, -0.5, -3.0, -math.inf])
     want = reference(logits, p)
     g = torch.Generator().manual_seed(0)
@@ -108,7 +124,7 @@ def test_sampled_frequencies_follow_the_probabilities(p):
             assert abs(counts[token] - n * q) < 5 * math.sqrt(n * q * (1 - q)) + 1, (token, int(counts[token]), n * q)
 
 
-def test_the_same_generator_state_draws_the_same_tokens():
+def test_the_same_generator_state_draws_the_same_tokens(route):
     logits = torch.randn(5000, generator=torch.Generator().manual_seed(3)) * 2
     p = SamplingParams(temperature=0.9, top_p=0.9, top_k=200)
     a = [sample(logits, p, [], torch.Generator().manual_seed(7)) for _ in range(3)]
@@ -117,7 +133,7 @@ def test_the_same_generator_state_draws_the_same_tokens():
     assert len(set(a)) == 1 and b[0] == a[0] and len(set(b)) > 1  # a fresh seed repeats; one generator moves on
 
 
-def test_no_vocabulary_wide_sort_and_no_exponential_per_token():
+def test_no_vocabulary_wide_sort_and_no_exponential_per_token(route):
     v = 32768
     g = torch.Generator().manual_seed(0)
     logits = torch.randn(v, generator=g) * 6  # a peaked row, as a trained model's mostly are
@@ -129,3 +145,25 @@ def test_no_vocabulary_wide_sort_and_no_exponential_per_token():
         assert not any(k in ops for k in ("aten::multinomial", "aten::exponential_")), p
         sorts = [e.input_shapes[0] for e in prof.key_averages(group_by_input_shape=True) if e.key == "aten::sort"]
         assert all(s and s[0] < v // 8 for s in sorts), (p, sorts)
+
+
+@pytest.mark.parametrize("portable", [False, True], ids=["vector", "portable"])
+@pytest.mark.parametrize("v", [37, 5000])
+def test_the_kernel_draws_the_references_tokens(kernel, v, portable):
+    us = torch.rand(24, dtype=torch.float64, generator=torch.Generator().manual_seed(v)).tolist()
+    near = 0
+    for name, logits in logit_rows(v).items():
+        for p in SETTINGS:
+            ids, w = candidates(logits, p)
+            cum = w.double().cumsum(0)
+            for u in us:
+                got = kernel(logits, p.temperature, p.top_k, p.top_p, u, portable)
+                i = draw(w, u)
+                if got != (i if ids is None else int(ids[i])):
+                    # the weights' exponentials differ by ~2e-7 (the kernel's vector exp against torch.exp): only
+                    # a draw within that of a boundary between two tokens may go the other way
+                    x = u * float(cum[-1])
+                    edge = min(abs(x - float(cum[i])), abs(x - float(cum[i - 1])) if i else math.inf)
+                    assert edge < 1e-5 * float(cum[-1]), (name, p, u, got, i)
+                    near += 1
+    assert near <= 2

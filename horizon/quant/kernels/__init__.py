@@ -5,8 +5,9 @@ decode scores (`indexer.cpp`), its exact top-k (`topk.cpp`) and Gated DSA's deco
 latent rows (`attention.cpp`), all called from horizon.model.dsa beside their references, KDA's decode step on the
 cached states in place and its chunkwise prefill (`kda.cpp`, called from horizon.model.kda beside their
 references), the MoE router's group-limited top-k (`router.cpp`, called from horizon.model.moe beside its reference)
-and the engine's greedy pick (`argmax.cpp`: `argmax_rows` and `argmax_and_finite` here, torch.argmax and
-torch.isfinite their references).
+the engine's greedy pick (`argmax.cpp`: `argmax_rows` and `argmax_and_finite` here, torch.argmax and
+torch.isfinite their references) and its sampled one (`sample.cpp`: `sample_row` here, horizon.engine.sampler's
+PyTorch route its reference).
 
     out = mxfp4_expert_matmul(x, blocks, scales, expert)   # torch.ops.horizon.mxfp4_expert_matmul
     # x float [M, K]; blocks uint8 [E, N, nb, 16]; scales uint8 [E, N, nb]; expert int64 [M] in [0, E)
@@ -54,9 +55,10 @@ log = logging.getLogger(__name__)
 
 # one extension: indexer.cpp, topk.cpp and attention.cpp are horizon.model.dsa's, kda.cpp horizon.model.kda's,
 # router.cpp horizon.model.moe's, rows.cpp the few-rows matmul (`rows_matmul` below), argmax.cpp the greedy pick
-# (`argmax_rows` below)
+# (`argmax_rows` below), sample.cpp the sampled one (`sample_row` below)
 SOURCES = tuple(Path(__file__).with_name(name) for name in ("mxfp4.cpp", "indexer.cpp", "topk.cpp", "attention.cpp",
-                                                              "kda.cpp", "rows.cpp", "argmax.cpp", "router.cpp"))
+                                                              "kda.cpp", "rows.cpp", "argmax.cpp", "router.cpp",
+                                                              "sample.cpp"))
 # hashed with the sources: a change rebuilds
 HEADERS = tuple(Path(__file__).with_name(name) for name in ("grouping.h", "amx.h", "simd.h", "kda_chunk.h"))
 _lock = threading.Lock()
@@ -233,6 +235,16 @@ def argmax_and_finite(logits: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]
     if not bool(finite.all()):
         finite = torch.isfinite(logits).all(dim=-1)
     return logits.argmax(dim=-1), finite
+
+
+def sample_row(logits: torch.Tensor, temperature: float, top_k: int, top_p: float, u: float) -> int | None:
+    """One token from fp32 CPU logits [V] at temperature > 0 (top_k 0: off; top_p 1: off; u uniform in [0, 1)),
+    through the kernel once this process has built it; None otherwise, and the caller takes the reference,
+    horizon.engine.sampler's `candidates` and `draw` (the same tokens but where u falls within float rounding of
+    a boundary between two)."""
+    if _built is True and logits.device.type == "cpu" and logits.dim() == 1 and logits.dtype == torch.float32:
+        return torch.ops.horizon_kernels.sample_row(logits, temperature, top_k, top_p, u)
+    return None
 
 
 def _argmax_kernel_applies(logits: torch.Tensor) -> bool:
