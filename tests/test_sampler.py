@@ -167,3 +167,11 @@ def test_the_kernel_draws_the_references_tokens(kernel, v, portable):
                     assert edge < 1e-5 * float(cum[-1]), (name, p, u, got, i)
                     near += 1
     assert near <= 2
+
+
+def test_a_top_k_past_the_vocabulary_and_past_int64_is_off(route):
+    logits = torch.tensor([0.0, -1.0, -2.0])
+    g = torch.Generator().manual_seed(0)
+    seen = {sample(logits, SamplingParams(temperature=1.0, top_k=k), [], g)
+            for k in (3, 2**63, 10**30) for _ in range(60)}
+    assert seen == {0, 1, 2}

@@ -243,6 +243,7 @@ def sample_row(logits: torch.Tensor, temperature: float, top_k: int, top_p: floa
     horizon.engine.sampler's `candidates` and `draw` (the same tokens but where u falls within float rounding of
     a boundary between two)."""
     if _built is True and logits.device.type == "cpu" and logits.dim() == 1 and logits.dtype == torch.float32:
+        top_k = top_k if top_k < logits.shape[0] else 0  # (the API takes any size: past int64 a C++ call could not)
         return torch.ops.horizon_kernels.sample_row(logits, temperature, top_k, top_p, u)
     return None
 
