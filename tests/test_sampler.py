@@ -175,3 +175,12 @@ def test_a_top_k_past_the_vocabulary_and_past_int64_is_off(route):
     seen = {sample(logits, SamplingParams(temperature=1.0, top_k=k), [], g)
             for k in (3, 2**63, 10**30) for _ in range(60)}
     assert seen == {0, 1, 2}
+
+
+def test_a_temperature_below_float32s_range_acts_as_greedy(route):
+    logits = torch.randn(100, generator=torch.Generator().manual_seed(0))
+    logits[37] = 5.0
+    g = torch.Generator().manual_seed(0)
+    for t in (1e-30, 1e-45, 1e-300):
+        for p in (SamplingParams(temperature=t), SamplingParams(temperature=t, top_p=0.9, top_k=5)):
+            assert {sample(logits, p, [], g) for _ in range(20)} == {37}, p

@@ -12,6 +12,7 @@ without a full sort and `draw` takes one uniform number through the cumulative w
 
 from __future__ import annotations
 
+import dataclasses
 import math
 
 import torch
@@ -22,6 +23,7 @@ from horizon.quant.kernels import argmax_rows, sample_row
 BAN = -100.0  # a logit_bias of -100 bans the token outright (OpenAI: "should result in a ban")
 NUCLEUS_SORT_MAX = 1024  # top_p: up to this many candidates are sorted as they are, more are binned first
 BINS_PER_OCTAVE = 8  # the bins' width: the last one sorted holds tokens within 2^(1/8) (9%) of each other
+TINY = torch.finfo(torch.float32).tiny  # the smallest temperature divided by: any below acts as it does (greedy)
 
 
 class NothingToSample(ValueError):
@@ -72,6 +74,8 @@ def sample(logits: torch.Tensor, params: SamplingParams, generated: list[int],
     if params.temperature == 0:
         return int(argmax_rows(logits[None])[0])
     u = float(torch.rand((), dtype=torch.float64, generator=generator))  # a CPU generator, whatever the device
+    if params.temperature < TINY:  # (the API allows any T > 0; in float32 a smaller one is 0, and 0 / 0 NaN)
+        params = dataclasses.replace(params, temperature=TINY)
     token = sample_row(logits, params.temperature, params.top_k, params.top_p, u)
     if token is not None:  # the kernel: what the two lines below do, in one call
         return token
@@ -89,7 +93,7 @@ def candidates(logits: torch.Tensor, params: SamplingParams) -> tuple[torch.Tens
 
     Without sorting the vocabulary (1.8 ms for 32K logits on a 2-core Xeon): the weights are counted into bins
     an eighth of an octave wide; the bins before the one where the running mass reaches top_p are kept whole,
-    and only that bin's tokens are sorted to find where the nucleus ends. The kept tokens come in no order."""
+    and only that bin's tokens are sorted to find where the nucleus ends."""
     # the best logit is 0 before dividing, so any temperature > 0 stays finite (a tiny one acts as greedy)
     z = (logits - logits.max()) / params.temperature
     ids = None
@@ -101,7 +105,7 @@ def candidates(logits: torch.Tensor, params: SamplingParams) -> tuple[torch.Tens
     if params.top_p >= 1.0:
         return ids, weights
     if z.shape[0] <= NUCLEUS_SORT_MAX:
-        whole, edge, before = None, None, weights.new_zeros((), dtype=torch.float64)
+        keep, edge, before = torch.zeros(z.shape, dtype=torch.bool, device=z.device), None, 0.0
         target = params.top_p * weights.sum(dtype=torch.float64)
     else:
         # bin b holds the weights in (2^-(b+1)/8, 2^-b/8]; the last bin everything below 2^-31 (and the -inf)
@@ -109,18 +113,14 @@ def candidates(logits: torch.Tensor, params: SamplingParams) -> tuple[torch.Tens
         mass = torch.bincount(bins, weights=weights.double(), minlength=256).cumsum(0)
         target = params.top_p * mass[-1]
         last = int(torch.searchsorted(mass, target[None]))  # the first bin whose running mass reaches top_p
-        whole = torch.nonzero(bins < last).squeeze(1)  # every token of the bins before: less than top_p together
+        keep = bins < last  # every token of the bins before: less than top_p together
         edge = torch.nonzero(bins == last).squeeze(1)
-        before = mass[last - 1] if last else mass.new_zeros(())
+        before = mass[last - 1] if last else 0.0
     # (stable: equal weights at the nucleus' edge stay in vocabulary order, as the kernel ranks them)
     ranked, order = (weights if edge is None else weights[edge]).sort(descending=True, stable=True)
     # a token stays while the mass of the more likely tokens is below top_p: the first always does
     n = int((before + ranked.cumsum(0, dtype=torch.float64) - ranked < target).sum())
-    order = order[:n] if edge is None else edge[order[:n]]
-    keep = torch.zeros(weights.shape, dtype=torch.bool, device=weights.device)
-    keep[order] = True
-    if whole is not None:
-        keep[whole] = True
+    keep[order[:n] if edge is None else edge[order[:n]]] = True
     order = torch.nonzero(keep).squeeze(1)  # in vocabulary order
     return (order if ids is None else ids[order]), weights[order]
 
