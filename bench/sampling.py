@@ -32,7 +32,7 @@ import horizon.engine.sampler as sampler_module
 from horizon import ModelConfig
 from horizon.chat import load_tokenizer
 from horizon.engine import Engine, EngineConfig, Request, SamplingParams
-from horizon.engine.sampler import adjust_logits, sample
+from horizon.engine.sampler import adjust_logits, sample, sample_rows
 from horizon.quant.kernels import kernel_available
 
 SETTINGS = {  # what clients send: OpenAI's default (1, 1), common chat settings, llama.cpp-style top_k
@@ -67,6 +67,11 @@ def textbook(logits: torch.Tensor, params: SamplingParams, generated: list[int],
         drop[0] = False
         probs = torch.zeros_like(probs).scatter_(0, order, ranked.masked_fill(drop, 0.0))
     return int(torch.multinomial(probs, 1, generator=generator))
+
+
+def textbook_rows(logits: torch.Tensor, params: list[SamplingParams], generators: list) -> list[int]:
+    """The textbook route in place of the engine's one call for a step's plainly sampled rows: row by row."""
+    return [textbook(row, p, [], g) for row, p, g in zip(logits, params, generators, strict=True)]
 
 
 def torch_route(*args, **kw) -> int:
@@ -128,6 +133,7 @@ def engine_section(repeats: int, new_tokens: int, batches) -> dict:
     def run(batch: int, mode: str, n: int) -> float:
         """ms a decode step, from when every sequence has its first token to the last token."""
         engine_module.sample = textbook if mode == "textbook" else sample
+        engine_module.sample_rows = textbook_rows if mode == "textbook" else sample_rows
         rec, rids = Recorder(), []
         for i, p in enumerate(prompts[:batch]):
             kw = {"temperature": 0} if mode == "greedy" else dict(sampled, seed=i)
@@ -135,7 +141,7 @@ def engine_section(repeats: int, new_tokens: int, batches) -> dict:
             eng.submit(Request(p, SamplingParams(max_tokens=n, ignore_eos=True, **kw), request_id=rids[-1]), rec)
         eng.run_until_idle()
         eng.clear_prefix_cache()
-        engine_module.sample = sample
+        engine_module.sample, engine_module.sample_rows = sample, sample_rows
         return decode_rate(0.0, [rec.stamps[r] for r in rids])["ms_per_step"]
 
     log("warm-up (compiles the decode graphs, or loads them from inductor's cache)")

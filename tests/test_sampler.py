@@ -184,3 +184,47 @@ def test_a_temperature_below_float32s_range_acts_as_greedy(route):
     for t in (1e-30, 1e-45, 1e-300):
         for p in (SamplingParams(temperature=t), SamplingParams(temperature=t, top_p=0.9, top_k=5)):
             assert {sample(logits, p, [], g) for _ in range(20)} == {37}, p
+
+
+def test_rows_drawn_at_once_are_the_tokens_each_draws_alone(route, monkeypatch):
+    # each row its own settings and generator; the one call must give what sample() gives row by row
+    if route == "reference":
+        monkeypatch.setattr(sampler.kernels, "sample_rows", lambda *a: None)
+    g = torch.Generator().manual_seed(5)
+    logits = torch.randn(6, 3000, generator=g) * torch.tensor([1.0, 3.0, 6.0, 2.0, 4.0, 0.5])[:, None]
+    logits[4, 100:] = -math.inf  # a row with bans
+    params = [SamplingParams(temperature=t, top_k=k, top_p=q) for t, k, q in
+              [(1.0, 0, 1.0), (0.7, 0, 0.9), (0.8, 40, 1.0), (1.2, 40, 0.95), (1e-50, 0, 0.9), (0.9, 2, 0.5)]]
+    for seed in range(20):
+        alone = [sample(row, p, [], torch.Generator().manual_seed(seed + i), finite=True)
+                 for i, (row, p) in enumerate(zip(logits, params, strict=True))]
+        gens = [torch.Generator().manual_seed(seed + i) for i in range(6)]
+        assert sampler.sample_rows(logits, params, gens) == alone, seed
+
+
+def test_an_engine_draws_its_sampled_rows_in_one_call_a_step_with_the_same_tokens(monkeypatch):
+    from horizon.chat import load_tokenizer
+    from horizon.engine import Engine, EngineConfig, Request
+
+    from .conftest import tiny_model
+
+    if not kernel_available():
+        pytest.skip("the CPU kernels are not built here")
+    model, tok = tiny_model(), load_tokenizer()
+    requests = [([5, 6, 7], SamplingParams(max_tokens=8, temperature=0.9, top_p=0.9, seed=1, ignore_eos=True)),
+                ([9, 10], SamplingParams(max_tokens=8, temperature=1.0, top_k=20, seed=2, ignore_eos=True)),
+                ([11, 12, 13, 14], SamplingParams(max_tokens=8, temperature=0, ignore_eos=True))]
+
+    def run() -> tuple[list[list[int]], dict[str, int]]:
+        engine = Engine(model, tok, EngineConfig(max_num_seqs=3, max_batch_tokens=32, max_model_len=64,
+                                                 compile=False))
+        with profile(activities=[ProfilerActivity.CPU]) as prof:
+            results = engine.generate([Request(p, s) for p, s in requests])
+        return [r.token_ids for r in results], {e.key: e.count for e in prof.key_averages()}
+
+    tokens, count = run()
+    # 7 decode steps draw the two sampled rows at once; only the prefill step, one row at a time, draws alone
+    assert count.get("horizon_kernels::sample_rows", 0) >= 7 and count.get("horizon_kernels::sample_row", 0) <= 2
+    monkeypatch.setattr(Engine, "_draw_plain", lambda self, plan, logits, finite: {})  # every row alone
+    alone, count = run()
+    assert alone == tokens and count.get("horizon_kernels::sample_rows", 0) == 0

@@ -34,7 +34,7 @@ from horizon.chat.thinking import check_thinking_budgets
 from horizon.engine.constraints import Grammars, finishing
 from horizon.engine.params import Event, FinishEvent, Request, TokenEvent, Usage
 from horizon.engine.runner import ModelRunner, StepInputs
-from horizon.engine.sampler import NothingToSample, logprobs, plain_greedy, sample
+from horizon.engine.sampler import NothingToSample, logprobs, plain_greedy, plain_sampled, sample, sample_rows
 from horizon.engine.scheduler import Scheduler
 from horizon.engine.sequence import Sequence, Status
 from horizon.model import HorizonCache
@@ -382,8 +382,9 @@ class Engine:
             # greedy rows): row by row, each took ~30 us of overhead, and a sum / isfinite / all check took
             # 0.1-0.15 ms a batch-1 step, the ATen code cold after the forward
             best, finite = (t.tolist() for t in argmax_and_finite(logits))
-            outcomes = [self._advance(seq, n, row, ok, b)
-                        for (seq, n), row, ok, b in zip(plan, logits, finite, best, strict=True)]
+            drawn = self._draw_plain(plan, logits, finite)
+            outcomes = [self._advance(seq, n, row, ok, b, drawn.get(i))
+                        for i, ((seq, n), row, ok, b) in enumerate(zip(plan, logits, finite, best, strict=True))]
         if self.ranks > 1:  # the other ranks do what the driver decided (never their own sampling)
             wire = broadcast_object([o.for_followers() if o else None for o in outcomes] if self.is_driver else None)
             if not self.is_driver:
@@ -398,6 +399,22 @@ class Engine:
         s.recent.append((time.perf_counter(), generated))
         return True
 
+    def _draw_plain(self, plan: list, logits: torch.Tensor, finite: list[bool]) -> dict[int, int]:
+        """Row -> token for the rows that sample plainly this step (temperature > 0; no grammar, forced token or
+        logit adjustment; finite), drawn in one call when there are two or more (as sample() would draw each)."""
+        rows = [i for i, ((seq, n), ok) in enumerate(zip(plan, finite, strict=True))
+                if ok and seq.num_cached + n >= len(seq.tokens) and seq.matcher is None
+                and seq.forced_token() is None and plain_sampled(seq.params)]
+        if len(rows) < 2:
+            return {}
+        seqs = [plan[i][0] for i in rows]
+        try:
+            tokens = sample_rows(logits[rows], [s.params for s in seqs], [s.generator for s in seqs])
+        except Exception:  # each row then samples alone, where a failure ends only its own sequence
+            log.exception("drawing %d rows at once failed; drawing them one at a time", len(rows))
+            return {}
+        return dict(zip(rows, tokens, strict=True))
+
     def _reached_end(self, seq: Sequence, n: int) -> bool:
         """Count the n tokens the forward computed (with the prefix snapshots they pass); True when the
         sequence now samples its next token."""
@@ -410,14 +427,15 @@ class Engine:
             self.scheduler.remember(seq, "prompt")  # the next turn can resume here at least
         return True
 
-    def _advance(self, seq: Sequence, n: int, row: torch.Tensor, finite: bool, best: int | None) -> Outcome | None:
+    def _advance(self, seq: Sequence, n: int, row: torch.Tensor, finite: bool, best: int | None,
+                 drawn: int | None = None) -> Outcome | None:
         """Post-process one sequence after the forward computed n of its tokens: snapshot, sample, emit,
         finish. Returns what happened (None: mid-prompt). One sequence's failure (its sampling, grammar,
         consumer) ends it alone."""
         try:
             if not self._reached_end(seq, n):
                 return None
-            outcome = self._decide(seq, row, finite, best)
+            outcome = self._decide(seq, row, finite, best, drawn)
             self._apply(seq, outcome)
         except Exception as e:
             log.exception("request %s failed", seq.id)
@@ -433,9 +451,11 @@ class Engine:
             self._apply(seq, outcome)
         return outcome
 
-    def _decide(self, seq: Sequence, row: torch.Tensor, finite: bool, best: int | None = None) -> Outcome:
+    def _decide(self, seq: Sequence, row: torch.Tensor, finite: bool, best: int | None = None,
+                drawn: int | None = None) -> Outcome:
         """The next token of a sequence that reached its end (the driver's job: sampling and the grammar).
-        `best`: the row's argmax from the step's one pass over its rows, if it has one (taken for plain greedy)."""
+        `best`: the row's argmax from the step's one pass over its rows, if it has one (taken for plain greedy);
+        `drawn`: its token from the step's one draw over the plainly sampled rows (_draw_plain), if it has one."""
         if not finite:  # NaN or infinity: nothing sensible to sample (bad weights, an overflow)
             return Outcome(reason="error",
                            error="the model produced non-finite logits (NaN or infinity) for this request")
@@ -448,6 +468,8 @@ class Engine:
                 token = forced
             elif best is not None and allowed is None and plain_greedy(seq.params):
                 token = best
+            elif drawn is not None and allowed is None:
+                token = drawn
             else:
                 token = sample(row, seq.params, seq.generated, seq.generator, allowed, finite=True)
         except NothingToSample as e:

@@ -248,6 +248,16 @@ def sample_row(logits: torch.Tensor, temperature: float, top_k: int, top_p: floa
     return None
 
 
+def sample_rows(logits: torch.Tensor, temperatures: list[float], top_ks: list[int], top_ps: list[float],
+                us: list[float]) -> list[int] | None:
+    """`sample_row` for the rows of fp32 CPU logits [B, V] (each with its own settings and u) in one call, the rows
+    in parallel; None where the kernel does not apply."""
+    if _built is True and logits.device.type == "cpu" and logits.dim() == 2 and logits.dtype == torch.float32:
+        top_ks = [k if k < logits.shape[1] else 0 for k in top_ks]
+        return torch.ops.horizon_kernels.sample_rows(logits, temperatures, top_ks, top_ps, us).tolist()
+    return None
+
+
 def _argmax_kernel_applies(logits: torch.Tensor) -> bool:
     return (_built is True and logits.device.type == "cpu" and logits.dim() == 2 and logits.dtype == torch.float32
             and logits.shape[1] > 0)

@@ -12,6 +12,7 @@
 // running mass reaches top_p (only its tokens are sorted). Weights below e^-87 (1.6e-38 of the best) count as 0.
 
 #include <ATen/ATen.h>
+#include <ATen/Parallel.h>
 #include <torch/library.h>
 
 #include <algorithm>
@@ -122,20 +123,11 @@ std::array<T, kBins> histogram(const uint8_t* bins, const float* w, int64_t V) {
   return out;
 }
 
-int64_t sample_row(const at::Tensor& logits, double temperature, int64_t top_k, double top_p, double u,
+// The draw for one row l[0..V) (arguments checked by the callers); -1 when the row's best logit is not finite.
+int64_t sample_one(const float* l, int64_t V, double temperature, int64_t top_k, double top_p, double u,
                    bool force_portable) {
-  TORCH_CHECK(logits.device().is_cpu() && logits.scalar_type() == at::kFloat && logits.dim() == 1,
-              "sample_row: logits must be a float32 [V] CPU tensor, got ", logits.scalar_type(), " ",
-              logits.sizes(), " on ", logits.device());
-  TORCH_CHECK(temperature > 0 && top_p > 0 && top_p <= 1 && u >= 0 && u < 1 && top_k >= 0,
-              "sample_row: needs temperature > 0, top_p in (0, 1], u in [0, 1), top_k >= 0; got ", temperature, ", ",
-              top_p, ", ", u, ", ", top_k);
-  const at::Tensor x = logits.contiguous();
-  const float* l = x.data_ptr<float>();
-  const int64_t V = x.size(0);
-  TORCH_CHECK(V > 0, "sample_row: an empty row");
   const float m = row_max(l, V, force_portable);
-  TORCH_CHECK(std::isfinite(m), "sample_row: the row's best logit is ", m, " (the caller checks for a finite one)");
+  if (!std::isfinite(m)) return -1;
   // the reference divides in float: (logits - max) / temperature
   const float t = static_cast<float>(temperature);
   std::unique_ptr<float[]> w(new float[V]);  // (no zero fill: every entry is written next)
@@ -220,11 +212,61 @@ int64_t sample_row(const at::Tensor& logits, double temperature, int64_t top_k, 
   return fallback;
 }
 
+void check_settings(const char* op, double temperature, int64_t top_k, double top_p, double u) {
+  TORCH_CHECK(temperature > 0 && top_p > 0 && top_p <= 1 && u >= 0 && u < 1 && top_k >= 0, op,
+              ": needs temperature > 0, top_p in (0, 1], u in [0, 1), top_k >= 0; got ", temperature, ", ", top_p,
+              ", ", u, ", ", top_k);
+}
+
+int64_t sample_row(const at::Tensor& logits, double temperature, int64_t top_k, double top_p, double u,
+                   bool force_portable) {
+  TORCH_CHECK(logits.device().is_cpu() && logits.scalar_type() == at::kFloat && logits.dim() == 1 &&
+                  logits.size(0) > 0,
+              "sample_row: logits must be a non-empty float32 [V] CPU tensor, got ", logits.scalar_type(), " ",
+              logits.sizes(), " on ", logits.device());
+  check_settings("sample_row", temperature, top_k, top_p, u);
+  const at::Tensor x = logits.contiguous();
+  const int64_t token = sample_one(x.data_ptr<float>(), x.size(0), temperature, top_k, top_p, u, force_portable);
+  TORCH_CHECK(token >= 0, "sample_row: the row's best logit is not finite (the caller checks for one)");
+  return token;
+}
+
+// Rows of one step at once, in parallel (each with its own settings and uniform): one call where the engine
+// would make one per sequence.
+at::Tensor sample_rows(const at::Tensor& logits, at::ArrayRef<double> temperature, at::ArrayRef<int64_t> top_k,
+                       at::ArrayRef<double> top_p, at::ArrayRef<double> u, bool force_portable) {
+  TORCH_CHECK(logits.device().is_cpu() && logits.scalar_type() == at::kFloat && logits.dim() == 2 &&
+                  logits.size(1) > 0,
+              "sample_rows: logits must be a float32 [B, V] CPU tensor with V > 0, got ", logits.scalar_type(), " ",
+              logits.sizes(), " on ", logits.device());
+  const int64_t B = logits.size(0), V = logits.size(1);
+  TORCH_CHECK(static_cast<int64_t>(temperature.size()) == B && static_cast<int64_t>(top_k.size()) == B &&
+                  static_cast<int64_t>(top_p.size()) == B && static_cast<int64_t>(u.size()) == B,
+              "sample_rows: one temperature, top_k, top_p and u a row (", B, " rows)");
+  for (int64_t b = 0; b < B; ++b) check_settings("sample_rows", temperature[b], top_k[b], top_p[b], u[b]);
+  const at::Tensor x = logits.contiguous();
+  const float* xp = x.data_ptr<float>();
+  at::Tensor out = at::empty({B}, x.options().dtype(at::kLong));
+  int64_t* op = out.data_ptr<int64_t>();
+  at::parallel_for(0, B, 1, [&](int64_t b0, int64_t b1) {
+    for (int64_t b = b0; b < b1; ++b)
+      op[b] = sample_one(xp + b * V, V, temperature[b], top_k[b], top_p[b], u[b], force_portable);
+  });
+  for (int64_t b = 0; b < B; ++b)
+    TORCH_CHECK(op[b] >= 0, "sample_rows: row ", b, "'s best logit is not finite (the caller checks for one)");
+  return out;
+}
+
 }  // namespace
 
 TORCH_LIBRARY_FRAGMENT(horizon_kernels, m) {
   m.def("sample_row(Tensor logits, float temperature, int top_k, float top_p, float u, bool force_portable=False) "
         "-> int");
+  m.def("sample_rows(Tensor logits, float[] temperature, int[] top_k, float[] top_p, float[] u, "
+        "bool force_portable=False) -> Tensor");
 }
 
-TORCH_LIBRARY_IMPL(horizon_kernels, CPU, m) { m.impl("sample_row", &sample_row); }
+TORCH_LIBRARY_IMPL(horizon_kernels, CPU, m) {
+  m.impl("sample_row", &sample_row);
+  m.impl("sample_rows", &sample_rows);
+}
