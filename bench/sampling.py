@@ -6,9 +6,10 @@ textbook route it replaced, alone per row and inside compiled decode steps.
   `sample()` through the CPU kernel (`sample.cpp`), `torch` its PyTorch route (`candidates`, `draw`). Each is
   timed warm (the same few rows again and again) and `cold`: after streaming 200 MB, as a decode step leaves
   the caches. Microseconds a row, medians of the rounds, paired ratios.
-- `engine`: a compiled `small` engine with MXFP4 experts stepping 1 and 16 sequences, greedy, sampled with
-  `sample()` and sampled with the textbook route (patched into the engine), rounds interleaved; ms a step and
-  what sampling adds to a greedy step. Its random weights give nearly flat logits (`flat`: the hardest case
+- `engine`: a compiled `small` engine with MXFP4 experts stepping 1 and 16 sequences, greedy, sampled as the
+  engine does (one kernel call for a step's sampled rows), sampled one `sample()` call a row (`rowwise`) and
+  sampled with the textbook route (patched into the engine), rounds interleaved; ms a step and what sampling
+  adds to a greedy step. Its random weights give nearly flat logits (`flat`: the hardest case
   for top_p, whose nucleus is then most of the vocabulary); `peaked` scales the LM head to a trained model's
   spread. No physical limit applies here: the floor is the greedy step.
 
@@ -74,6 +75,11 @@ def textbook_rows(logits: torch.Tensor, params: list[SamplingParams], generators
     return [textbook(row, p, [], g) for row, p, g in zip(logits, params, generators, strict=True)]
 
 
+def rowwise(logits: torch.Tensor, params: list[SamplingParams], generators: list) -> list[int]:
+    """The engine's sampler one call per row instead of one for the step's rows (the same tokens)."""
+    return [sample(row, p, [], g, finite=True) for row, p, g in zip(logits, params, generators, strict=True)]
+
+
 def torch_route(*args, **kw) -> int:
     """sample() with the kernel switched off: its PyTorch route."""
     saved, sampler_module.sample_row = sampler_module.sample_row, lambda *a: None
@@ -133,7 +139,7 @@ def engine_section(repeats: int, new_tokens: int, batches) -> dict:
     def run(batch: int, mode: str, n: int) -> float:
         """ms a decode step, from when every sequence has its first token to the last token."""
         engine_module.sample = textbook if mode == "textbook" else sample
-        engine_module.sample_rows = textbook_rows if mode == "textbook" else sample_rows
+        engine_module.sample_rows = {"textbook": textbook_rows, "rowwise": rowwise}.get(mode, sample_rows)
         rec, rids = Recorder(), []
         for i, p in enumerate(prompts[:batch]):
             kw = {"temperature": 0} if mode == "greedy" else dict(sampled, seed=i)
@@ -152,13 +158,14 @@ def engine_section(repeats: int, new_tokens: int, batches) -> dict:
            "spreads": {"flat": "the random weights' logits (std ~0.45: top_p 0.9 keeps ~3/4 of the vocabulary)",
                        "peaked": f"the LM head x {PEAKED} (logits std ~3.6, a trained model's order)"}}
     for b in batches:
-        times = {m: [] for m in ("greedy", "flat_ours", "flat_textbook", "peaked_ours", "peaked_textbook")}
+        times = {m: [] for m in ("greedy", *(f"{s}_{m}" for s in ("flat", "peaked")
+                                             for m in ("ours", "rowwise", "textbook")))}
         for _ in range(repeats):
             times["greedy"].append(run(b, "greedy", new_tokens))
             for spread in ("flat", "peaked"):
                 with torch.no_grad():
                     head.mul_(PEAKED if spread == "peaked" else 1.0)  # a power of two: exact both ways
-                    for m in ("ours", "textbook"):
+                    for m in ("ours", "rowwise", "textbook"):
                         times[f"{spread}_{m}"].append(run(b, m, new_tokens))
                     head.div_(PEAKED if spread == "peaked" else 1.0)
         med = {m: statistics.median(t) for m, t in times.items()}
@@ -167,8 +174,10 @@ def engine_section(repeats: int, new_tokens: int, batches) -> dict:
             f"{med['peaked_textbook']:.2f})")
         row = {"greedy_ms_per_step": round(med["greedy"], 2)}
         for spread in ("flat", "peaked"):
-            o, t = times[f"{spread}_ours"], times[f"{spread}_textbook"]
+            o, t, r = times[f"{spread}_ours"], times[f"{spread}_textbook"], times[f"{spread}_rowwise"]
             row[spread] = {"ours_ms_per_step": round(statistics.median(o), 2),
+                           "rowwise_ms_per_step": round(statistics.median(r), 2),
+                           "paired_ratios_vs_rowwise": [round(y / x, 3) for x, y in zip(o, r, strict=True)],
                            "textbook_ms_per_step": round(statistics.median(t), 2),
                            "ours_added_ms": round(statistics.median(o) - med["greedy"], 2),
                            "textbook_added_ms": round(statistics.median(t) - med["greedy"], 2),
