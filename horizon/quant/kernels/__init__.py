@@ -6,8 +6,8 @@ latent rows (`attention.cpp`), all called from horizon.model.dsa beside their re
 cached states in place and its chunkwise prefill (`kda.cpp`, called from horizon.model.kda beside their
 references), the MoE router's group-limited top-k (`router.cpp`, called from horizon.model.moe beside its reference)
 the engine's greedy pick (`argmax.cpp`: `argmax_rows` and `argmax_and_finite` here, torch.argmax and
-torch.isfinite their references) and its sampled one (`sample.cpp`: `sample_row` here, horizon.engine.sampler's
-PyTorch route its reference).
+torch.isfinite their references) and its sampled one (`sample.cpp`: `sample_row` and `sample_rows` here,
+horizon.engine.sampler's PyTorch route their reference).
 
     out = mxfp4_expert_matmul(x, blocks, scales, expert)   # torch.ops.horizon.mxfp4_expert_matmul
     # x float [M, K]; blocks uint8 [E, N, nb, 16]; scales uint8 [E, N, nb]; expert int64 [M] in [0, E)
