@@ -29,11 +29,11 @@ import torch
 from common import Recorder, build_ours_pair, decode_rate, kernel_parser, log, new_request_id, random_tokens
 
 import horizon.engine.engine as engine_module
-import horizon.engine.sampler as sampler_module
 from horizon import ModelConfig
 from horizon.chat import load_tokenizer
 from horizon.engine import Engine, EngineConfig, Request, SamplingParams
 from horizon.engine.sampler import adjust_logits, sample, sample_rows
+from horizon.quant import kernels
 from horizon.quant.kernels import kernel_available
 
 SETTINGS = {  # what clients send: OpenAI's default (1, 1), common chat settings, llama.cpp-style top_k
@@ -82,11 +82,11 @@ def rowwise(logits: torch.Tensor, params: list[SamplingParams], generators: list
 
 def torch_route(*args, **kw) -> int:
     """sample() with the kernel switched off: its PyTorch route."""
-    saved, sampler_module.sample_row = sampler_module.sample_row, lambda *a: None
+    saved, kernels.sample_row = kernels.sample_row, lambda *a: None
     try:
         return sample(*args, **kw)
     finally:
-        sampler_module.sample_row = saved
+        kernels.sample_row = saved
 
 
 def row_times(fn, rows: list[torch.Tensor], params: SamplingParams, sweep: torch.Tensor | None, n: int) -> float:

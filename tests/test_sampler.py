@@ -56,11 +56,13 @@ def kernel():
 
 @pytest.fixture(params=["kernel", "reference"])
 def route(request, monkeypatch):
-    """sample() through the kernel (skipped where it is not built) or through its PyTorch reference."""
+    """sample() and sample_rows() through the kernel (skipped where it is not built) or through their PyTorch
+    reference."""
     if request.param == "kernel":
         request.getfixturevalue("kernel")
     else:
-        monkeypatch.setattr(sampler, "sample_row", lambda *a: None)
+        monkeypatch.setattr(sampler.kernels, "sample_row", lambda *a: None)
+        monkeypatch.setattr(sampler.kernels, "sample_rows", lambda *a: None)
     return request.param
 
 
@@ -186,10 +188,8 @@ def test_a_temperature_below_float32s_range_acts_as_greedy(route):
             assert {sample(logits, p, [], g) for _ in range(20)} == {37}, p
 
 
-def test_rows_drawn_at_once_are_the_tokens_each_draws_alone(route, monkeypatch):
+def test_rows_drawn_at_once_are_the_tokens_each_draws_alone(route):
     # each row its own settings and generator; the one call must give what sample() gives row by row
-    if route == "reference":
-        monkeypatch.setattr(sampler.kernels, "sample_rows", lambda *a: None)
     g = torch.Generator().manual_seed(5)
     logits = torch.randn(6, 3000, generator=g) * torch.tensor([1.0, 3.0, 6.0, 2.0, 4.0, 0.5])[:, None]
     logits[4, 100:] = -math.inf  # a row with bans

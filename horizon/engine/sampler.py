@@ -19,7 +19,7 @@ import torch
 
 from horizon.engine.params import SamplingParams
 from horizon.quant import kernels
-from horizon.quant.kernels import argmax_rows, sample_row
+from horizon.quant.kernels import argmax_rows
 
 BAN = -100.0  # a logit_bias of -100 bans the token outright (OpenAI: "should result in a ban")
 NUCLEUS_SORT_MAX = 1024  # top_p: up to this many candidates are sorted as they are, more are binned first
@@ -110,7 +110,7 @@ def _usable(params: SamplingParams) -> SamplingParams:
 def _draw_row(logits: torch.Tensor, params: SamplingParams, u: float) -> int:
     """The token u draws from one row at params.temperature > 0: through the kernel (`sample_row`) where it
     applies, else through its PyTorch reference, `candidates` and `draw`."""
-    token = sample_row(logits, params.temperature, params.top_k, params.top_p, u)
+    token = kernels.sample_row(logits, params.temperature, params.top_k, params.top_p, u)
     if token is not None:
         return token
     ids, weights = candidates(logits, params)

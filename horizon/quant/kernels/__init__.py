@@ -219,7 +219,7 @@ def argmax_rows(logits: torch.Tensor) -> torch.Tensor:
     through the kernel for fp32 CPU rows once this process has built it (the model runner builds it for
     compiled CPU decoding; picking a token never starts a build), else through torch.argmax. PyTorch's CPU
     argmax is a scalar loop: ~0.6 ms for 16 rows of a 32K vocabulary here."""
-    if _argmax_kernel_applies(logits):
+    if _kernel_takes(logits):
         return torch.ops.horizon_kernels.argmax_rows(logits)[0]
     return logits.argmax(dim=-1)
 
@@ -229,7 +229,7 @@ def argmax_and_finite(logits: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]
     the kernel where argmax_rows takes it. Otherwise each row's sum is checked (NaN and +-Inf carry through a sum;
     ~1/30 of isfinite over the rows) and, when one is not finite, every row exactly (a sum of finite logits may
     overflow)."""
-    if _argmax_kernel_applies(logits):
+    if _kernel_takes(logits):
         return torch.ops.horizon_kernels.argmax_rows(logits)
     finite = torch.isfinite(logits.sum(dim=-1))
     if not bool(finite.all()):
@@ -242,7 +242,7 @@ def sample_row(logits: torch.Tensor, temperature: float, top_k: int, top_p: floa
     through the kernel once this process has built it; None otherwise, and the caller takes the reference,
     horizon.engine.sampler's `candidates` and `draw` (the same tokens but where u falls within float rounding of
     a boundary between two)."""
-    if _built is True and logits.device.type == "cpu" and logits.dim() == 1 and logits.dtype == torch.float32:
+    if _kernel_takes(logits, dim=1):
         top_k = top_k if top_k < logits.shape[0] else 0  # (the API takes any size: past int64 a C++ call could not)
         return torch.ops.horizon_kernels.sample_row(logits, temperature, top_k, top_p, u)
     return None
@@ -252,15 +252,17 @@ def sample_rows(logits: torch.Tensor, temperatures: list[float], top_ks: list[in
                 us: list[float]) -> list[int] | None:
     """`sample_row` for the rows of fp32 CPU logits [B, V] (each with its own settings and u) in one call, the rows
     in parallel; None where the kernel does not apply."""
-    if _built is True and logits.device.type == "cpu" and logits.dim() == 2 and logits.dtype == torch.float32:
+    if _kernel_takes(logits, dim=2):
         top_ks = [k if k < logits.shape[1] else 0 for k in top_ks]
         return torch.ops.horizon_kernels.sample_rows(logits, temperatures, top_ks, top_ps, us).tolist()
     return None
 
 
-def _argmax_kernel_applies(logits: torch.Tensor) -> bool:
-    return (_built is True and logits.device.type == "cpu" and logits.dim() == 2 and logits.dtype == torch.float32
-            and logits.shape[1] > 0)
+def _kernel_takes(logits: torch.Tensor, dim: int = 2) -> bool:
+    """Whether the logits kernels (argmax.cpp, sample.cpp) take these: fp32 CPU rows of `dim` dimensions, V > 0,
+    once this process has built the extension (picking a token never starts a build)."""
+    return (_built is True and logits.device.type == "cpu" and logits.dim() == dim and logits.dtype == torch.float32
+            and logits.shape[-1] > 0)
 
 
 _vector_paths: dict[str, bool] = {}  # has_avx512() and has_avx2(), each once asked outside a compiled graph
