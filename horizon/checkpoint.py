@@ -161,22 +161,32 @@ def build_model(config: ModelConfig, dtype: torch.dtype | None = None, device="c
     return model
 
 
-def fill_model(model: HorizonForCausalLM, tensors: Iterator[tuple[str, torch.Tensor, str]]) -> None:
-    """Copy (name, tensor, source file) triples into the model, checking names and shapes; all must be present."""
+def fill_model(model: HorizonForCausalLM, tensors: Iterator[tuple]) -> None:
+    """Copy (name, tensor, source file) triples into the model, checking names, shapes and kinds of dtype; all
+    must be present. A 4-tuple (name, tensor, source, index) fills `target[index]` only (one expert of a
+    stacked tensor, so a loader never holds a second copy of the stack); such a tensor counts as present once
+    its parts covered every element."""
     target = model.state_dict()
     tied = model.config.tie_word_embeddings
     seen = set()
-    for name, tensor, source in tensors:
+    filled: dict[str, int] = {}  # elements written through indexed parts
+    for name, tensor, source, *index in tensors:
         if name not in target:
             raise ValueError(f"{source}: tensor {name} is not part of this model "
                              f"({type(model).__name__}, {len(target)} tensors)")
-        want = target[name]
+        want = target[name][index[0]] if index else target[name]
         if tuple(tensor.shape) != tuple(want.shape):
-            raise ValueError(f"{source}: tensor {name} has shape {list(tensor.shape)}, expected {list(want.shape)}")
+            raise ValueError(f"{source}: tensor {name}{'' if not index else ' (part)'} has shape "
+                             f"{list(tensor.shape)}, expected {list(want.shape)}")
         if tensor.dtype.is_floating_point != want.dtype.is_floating_point:
             raise ValueError(f"{source}: tensor {name} has dtype {tensor.dtype}, expected {want.dtype}")
         want.copy_(tensor)
-        seen.add(name)
+        if not index:
+            seen.add(name)
+        else:
+            filled[name] = filled.get(name, 0) + want.numel()
+            if filled[name] >= target[name].numel():
+                seen.add(name)
     missing = [n for n in target if n not in seen and not (tied and n == "lm_head.weight")]
     if missing:
         raise ValueError(f"checkpoint is missing {len(missing)} tensor(s) of the model, e.g. {missing[:5]}")
@@ -451,7 +461,8 @@ def read_config(path: Path):
 
         family = interop.family(model_type, path / CONFIG)
         try:
-            return family.config_from_hf(raw), None, family
+            method = family.quantization(raw) if hasattr(family, "quantization") else None
+            return family.config_from_hf(raw), method, family
         except ValueError as e:
             raise ValueError(f"{path / CONFIG}: {e}") from None
     quant = raw.pop("quantization_config", None)
@@ -489,11 +500,11 @@ def load(path: str | Path, dtype: torch.dtype | None = None, device="cpu", check
                             str(store.path_of(n))) for n in store.names()))
     else:
         store = TensorStore(path)
-        model = build_model(config, dtype, device, layout=layout)
+        model = build_model(config, dtype, device, quantization=method, layout=layout)
         tensors = family.convert_tensors(store, config)
         if layout is not None:
             splits = model_splits(model, layout)
-            tensors = ((n, shard_tensor(t, splits[n], layout) if n in splits else t, src) for n, t, src in tensors)
+            tensors = _sharded(tensors, splits, layout, config.n_routed_experts // layout.tp)
         fill_model(model, tensors)
     if model.config.tie_word_embeddings:
         model.lm_head.weight = model.embed.weight
@@ -501,6 +512,40 @@ def load(path: str | Path, dtype: torch.dtype | None = None, device="cpu", check
         check_finite_weights(model, str(path))
     _apply_formats(model, str(path), dense, mxfp4_activations)
     return model.eval()
+
+
+def _sharded(tensors, splits, layout: Layout, per_rank: int):
+    """A family's converted tensors cut to this rank's part. An indexed part (one expert of a stack) is cut
+    along the stack's split: whole experts under expert parallelism (another rank's are dropped), each
+    expert's rows or columns otherwise. per_rank: experts a rank holds under expert parallelism."""
+    for name, tensor, source, *index in tensors:
+        split = splits.get(name)
+        if split is None:
+            yield (name, tensor, source, *index)
+        elif not index:
+            yield name, shard_tensor(tensor, split, layout), source
+        else:
+            yield from _sharded_part(name, tensor, source, index[0], split, layout, per_rank)
+
+
+def _sharded_part(name, tensor, source, index, split, layout: Layout, per_rank: int):
+    """This rank's share of part `index` = (expert e, a slice of rows) of a stacked tensor split by `split`."""
+    from horizon.parallel.shard import Split
+
+    e, rows = index
+    if split.dim == 0:  # expert parallelism: whole experts; this rank keeps its own, renumbered from 0
+        if layout.rank * per_rank <= e < (layout.rank + 1) * per_rank:
+            yield name, tensor, source, (e - layout.rank * per_rank, rows)
+        return
+    if split.dim == 1:  # rows in `pieces` segments (gate | up): this part is one whole segment
+        n = rows.stop - rows.start
+        part = n // layout.tp
+        piece = rows.start // n
+        local = slice(piece * part, (piece + 1) * part)
+        yield name, tensor[layout.rank * part:(layout.rank + 1) * part], source, (e, local)
+        return
+    # a later dim (the columns of down_proj): the part is cut like the stack, its rows whole
+    yield name, shard_tensor(tensor, Split(split.dim - 1, split.pieces), layout), source, index
 
 
 # --- a model ready to serve ----------------------------------------------------------------------------

@@ -25,6 +25,7 @@ if TYPE_CHECKING:
     import torch
 
 LAYER_TYPES = ("kda", "dsa")
+ACTIVATIONS = ("silu", "situ")  # the GLU activation of every MLP and expert (horizon.model.layers.glu)
 DTYPES = ("float32", "bfloat16", "float16")  # torch dtype names; torch is imported only when needed
 MLA_ROPE = ("none", "interleaved", "half")
 # Keys of `rope_scaling` (YaRN, as DeepSeek-V3.2 and transformers' `rope_parameters` spell them).
@@ -36,15 +37,21 @@ _METADATA_KEYS = {"model_type", "architectures", "transformers_version", "torch_
 # Fields a Horizon config.json may lack, taking the dataclass default. None today: `save` writes every
 # field and the bundled horizon-tiny lists them all. A field added later that changes nothing for
 # older checkpoints goes here (with a comment saying since when), so that those still load.
-_DEFAULTED_ON_LOAD: frozenset[str] = frozenset()
+# Since 2026-12-08 (Kimi K3's pieces): the fields below default to the behaviour every older
+# checkpoint was trained with (SwiGLU, plain residual, softplus KDA decay, low-rank gates, full-width experts).
+_DEFAULTED_ON_LOAD: frozenset[str] = frozenset({
+    "hidden_act", "situ_beta", "situ_linear_beta", "attn_res_block_size", "kda_gate_lower_bound",
+    "kda_gate_full_rank", "dsa_gate_full_rank", "moe_latent_size", "moe_latent_norm"})
 # The value ranges `validate` enforces, shared with the messages of `from_dict` (missing or mistyped keys).
 _INTS_GE_1 = ("vocab_size", "hidden_size", "num_layers", "intermediate_size", "max_position_embeddings",
               "kda_num_heads", "kda_head_dim", "kda_conv_size", "kda_chunk_size", "num_heads", "kv_lora_rank",
               "v_head_dim", "n_routed_experts", "num_experts_per_tok", "moe_intermediate_size", "n_group",
               "topk_group")
 _INTS_GE_0 = ("q_lora_rank", "qk_rope_head_dim", "qk_nope_head_dim", "dsa_gate_rank", "index_n_heads",
-              "index_head_dim", "index_topk", "index_rope_dim", "first_k_dense", "n_shared_experts", "vision_layers")
-_NUMBERS_GT_0 = ("rms_norm_eps", "rope_theta", "routed_scaling_factor", "initializer_range")
+              "index_head_dim", "index_topk", "index_rope_dim", "first_k_dense", "n_shared_experts", "vision_layers",
+              "attn_res_block_size", "moe_latent_size")
+_NUMBERS_GT_0 = ("rms_norm_eps", "rope_theta", "routed_scaling_factor", "initializer_range", "situ_beta",
+                 "situ_linear_beta")
 _VISION_INTS_GE_1 = ("vision_hidden_size", "vision_num_heads", "vision_intermediate_size", "vision_patch_size",
                      "vision_merge", "vision_max_tokens")
 
@@ -73,12 +80,25 @@ class ModelConfig:
     tie_word_embeddings: bool = False
     dtype: str = "float32"  # parameter dtype: float32 | bfloat16 | float16
     initializer_range: float = 0.02
+    # The GLU activation of the dense MLP, the shared and the routed experts: "silu" (SwiGLU) or "situ"
+    # (Kimi K3: beta * tanh(g / beta) * sigmoid(g) * linear_beta * tanh(u / linear_beta), in fp32).
+    hidden_act: str = "silu"
+    situ_beta: float = 4.0
+    situ_linear_beta: float = 25.0
+    # Attention residuals (Kimi K3, horizon.model.attn_res): each sublayer's input is a softmax mix over
+    # depth of banked block outputs and the running partial sum; a new block starts every
+    # `attn_res_block_size` layers. 0: the plain pre-norm residual stream.
+    attn_res_block_size: int = 0
 
     # --- Kimi Delta Attention -------------------------------------------------------------------
     kda_num_heads: int = 2
     kda_head_dim: int = 32  # d_k = d_v; also the rank of the low-rank decay and output gates
     kda_conv_size: int = 4  # causal depthwise short convolution on q, k, v
     kda_chunk_size: int = 64  # C of the chunkwise (prefill / training) form
+    # None: log alpha = -exp(A_log) * softplus(f + dt_bias) (Kimi Linear). A number lb < 0 (Kimi K3: -5):
+    # log alpha = lb * sigmoid(exp(A_log) * (f + dt_bias)), in (lb, 0); it replaces the softplus form.
+    kda_gate_lower_bound: float | None = None
+    kda_gate_full_rank: bool = False  # output gate sigmoid(g_proj x), one d x H*d_k matrix (K3), not g_b(g_a(x))
 
     # --- Gated DSA: MLA projections over a latent cache ----------------------------------------
     num_heads: int = 4
@@ -92,6 +112,7 @@ class ModelConfig:
     mla_rope: str = "none"
     rope_theta: float = 10000.0
     dsa_gate_rank: int = 16  # low-rank sigmoid output gate G; 0: no gate (plain MLA / DSA)
+    dsa_gate_full_rank: bool = False  # a full-rank gate (one d x H*v matrix, Kimi K3's g_proj); dsa_gate_rank 0
     attention_bias: bool = False  # bias on the latent down-projections (some imported models)
     # eps of the MLA latent RMSNorms (c_q, c_kv); None: rms_norm_eps. Kimi Linear and DeepSeek-V3.2
     # use 1e-6 there whatever eps their block norms use.
@@ -118,6 +139,10 @@ class ModelConfig:
     topk_group: int = 1  # groups kept per token
     routed_scaling_factor: float = 1.0
     norm_topk_prob: bool = True
+    # Latent MoE (Kimi K3): the routed experts run on z = W_down x of this width, their weighted sum is
+    # RMS-normed (moe_latent_norm) and W_up maps it back; shared experts stay at full width. 0: no latent.
+    moe_latent_size: int = 0
+    moe_latent_norm: bool = False
 
     # --- vision encoder (horizon/model/vision.py); vision_layers=0: a text-only model ---
     vision_layers: int = 0
@@ -162,6 +187,13 @@ class ModelConfig:
             fail("dtype", f"allowed: {', '.join(DTYPES)}")
         if self.mla_rope not in MLA_ROPE:
             fail("mla_rope", f"allowed: {', '.join(MLA_ROPE)}")
+        if self.hidden_act not in ACTIVATIONS:
+            fail("hidden_act", f"allowed: {', '.join(ACTIVATIONS)}")
+        lb = self.kda_gate_lower_bound
+        if lb is not None and (not isinstance(lb, (int, float)) or isinstance(lb, bool) or not -1e4 < lb < 0):
+            fail("kda_gate_lower_bound", "must be null (softplus decay) or a number < 0 (K3: -5.0)")
+        if self.dsa_gate_full_rank and self.dsa_gate_rank:
+            fail("dsa_gate_rank", "must be 0 with dsa_gate_full_rank (the gate is full rank, not low rank)")
         if len(self.layer_types) != self.num_layers:
             fail("layer_types", f"must list one type per layer (num_layers={self.num_layers}), "
                  f"got {len(self.layer_types)}")
@@ -371,6 +403,8 @@ _ALLOWED = {
     **dict.fromkeys(_NUMBERS_GT_0, "a number > 0"),
     "dtype": f"one of {', '.join(DTYPES)}",
     "mla_rope": f"one of {', '.join(MLA_ROPE)}",
+    "hidden_act": f"one of {', '.join(ACTIVATIONS)}",
+    "kda_gate_lower_bound": "null (softplus decay) or a number < 0",
     "layer_types": f"a list with one of {', '.join(LAYER_TYPES)} per layer (null: the default schedule)",
     "dense_layers": "null or a list of distinct layer indices (0-based)",
     "mla_norm_eps": "null (rms_norm_eps) or a number > 0",

@@ -71,7 +71,7 @@ def count_parameters(model: torch.nn.Module) -> dict[str, int]:
 
 
 def plan(config: ModelConfig, context: int | None = None) -> dict:
-    """The plan as a dict; `context` defaults to the model's window (1,048,576 tokens for 2.8t)."""
+    """The plan as a dict; `context` defaults to the model's window (1,048,576 tokens for k3)."""
     context = config.max_position_embeddings if context is None else context
     if not 1 <= context <= config.max_position_embeddings:
         raise ValueError(f"context={context} is outside this model's window: allowed 1 to "
@@ -82,7 +82,8 @@ def plan(config: ModelConfig, context: int | None = None) -> dict:
     counts = count_parameters(model)
     bf16 = 2
     experts = [p for m in model.modules() if isinstance(m, Experts) for p in m.parameters()]
-    weight_bytes_mxfp4 = (counts["total"] - counts["routed"]) * bf16 + sum(mxfp4_nbytes(p.shape) for p in experts)
+    expert_bytes = sum(mxfp4_nbytes(p.shape) for p in experts)
+    weight_bytes_mxfp4 = (counts["total"] - counts["routed"]) * bf16 + expert_bytes
     per_token = cache.bytes_per_token()
     at_context = per_token * context
     kda_state = cache.state_bytes_per_slot()
@@ -95,8 +96,11 @@ def plan(config: ModelConfig, context: int | None = None) -> dict:
         "num_layers": config.num_layers,
         "num_dsa_layers": len(config.dsa_layers),
         "num_kda_layers": len(config.kda_layers),
+        # the full-attention layers: Gated DSA with an indexer, plain MLA without one (Kimi K3)
+        "attention": "Gated DSA" if config.index_n_heads else "MLA",
         "weight_bytes_bf16": counts["total"] * bf16,
         "weight_bytes_mxfp4": weight_bytes_mxfp4,
+        "routed_expert_bytes_mxfp4": expert_bytes,
         "cache_bytes_per_token": per_token,
         "kda_state_bytes": kda_state,
         "context": context,
@@ -125,12 +129,13 @@ def render_plan(name: str, p: dict) -> None:
     table.add_row("parameters (active per token)",
                   f"{p['active_params']:,}  ({_human(p['active_params'], '')}, "
                   f"{100 * p['active_params'] / p['total_params']:.1f}%)")
-    table.add_row("layers", f"{p['num_layers']} = {p['num_dsa_layers']} Gated DSA + {p['num_kda_layers']} KDA")
+    table.add_row("layers", f"{p['num_layers']} = {p['num_dsa_layers']} {p['attention']} + {p['num_kda_layers']} KDA")
     table.add_row("vision encoder (runs once per image)",
                   f"{p['vision_params']:,}  ({_human(p['vision_params'], '')})" if p["vision_params"] else "none")
     table.add_row("weights, bf16", _human(p["weight_bytes_bf16"]))
     table.add_row("weights, MXFP4 experts + bf16 rest", _human(p["weight_bytes_mxfp4"]))
-    table.add_row("DSA cache per token", _human(p["cache_bytes_per_token"]))
+    table.add_row("routed experts, MXFP4", _human(p["routed_expert_bytes_mxfp4"]))
+    table.add_row(f"{p['attention']} cache per token", _human(p["cache_bytes_per_token"]))
     table.add_row("KDA state per sequence (constant)", _human(p["kda_state_bytes"]))
     table.add_row("prefix-cache snapshot (k + 3 per request at most)", _human(p["kda_state_bytes"]))
     table.add_row(f"cache at {p['context']:,} tokens", _human(p["cache_bytes_at_context"]))

@@ -1,4 +1,4 @@
-"""Named model sizes: `tiny` (tests), `small` (CPU benchmarks) and `2.8t` (the seeds' model).
+"""Named model sizes: `tiny` (tests), `small` (CPU benchmarks), `k3` (Kimi K3 as released; alias `2.8t`).
 
 `ModelConfig.preset(name)` builds a config from these. Every number that the seeds do not give is a
 choice; the choices for `2.8t` and why are written next to them. `horizon plan --preset 2.8t`
@@ -64,7 +64,27 @@ PRESETS: dict[str, dict] = {
     #  * vision: a SigLIP-so400m-sized ViT (27 layers, 1152 wide, 16 heads, MLP 4304; ~0.4B, as
     #    Kimi's MoonViT), 14-px patches merged 2x2 (one token per 28x28 pixels), up to 4096 tokens
     #    per image (a 1792x1792 screenshot at full resolution).
-    "2.8t": dict(
+    # Kimi K3 as released (moonshotai/Kimi-K3; shapes from its config.json and safetensors index, as the
+    # public engines read them): 93 layers, MLA (no RoPE, no indexer, a full-rank output gate) at 4, 8, ...,
+    # 92 and 93, K3's KDA (96 heads x 128, decay bounded below by -5, full-rank gate) elsewhere; attention
+    # residuals in blocks of 12; a dense SiTU layer 0 33792 wide; then latent MoE: 896 SiTU experts of
+    # width 3072 on a 3584-wide latent (RMS-normed after the combine), top-16 by a sigmoid router with no
+    # groups, plus 2 shared experts at full width. Text only here: K3's vision tower (MoonViT) is not
+    # Horizon's encoder. `horizon plan --preset k3`: 2.779T total / 105.4B active.
+    "k3": dict(
+        vocab_size=163840, hidden_size=7168, num_layers=93, first_k_dense=1, intermediate_size=33792,
+        max_position_embeddings=1048576, rms_norm_eps=1e-5, dtype="bfloat16", hidden_act="situ",
+        situ_beta=4.0, situ_linear_beta=25.0, attn_res_block_size=12,
+        kda_num_heads=96, kda_head_dim=128, kda_gate_lower_bound=-5.0, kda_gate_full_rank=True,
+        num_heads=96, q_lora_rank=1536, kv_lora_rank=512, qk_nope_head_dim=128, qk_rope_head_dim=64,
+        v_head_dim=128, mla_norm_eps=1e-6, dsa_gate_rank=0, dsa_gate_full_rank=True,
+        index_n_heads=0, index_head_dim=0, index_topk=0,
+        n_routed_experts=896, num_experts_per_tok=16, moe_intermediate_size=3072, n_shared_experts=2,
+        n_group=1, topk_group=1, routed_scaling_factor=1.0, moe_latent_size=3584, moe_latent_norm=True,
+        vision_layers=0,
+    ),
+    # The articles' own guess at the model before K3's release (kept for comparison; `2.8t-articles`).
+    "2.8t-articles": dict(
         vocab_size=163840, hidden_size=7168, num_layers=93, first_k_dense=1, intermediate_size=18432,
         max_position_embeddings=1048576, dtype="bfloat16",
         kda_num_heads=64, kda_head_dim=128,
@@ -77,3 +97,4 @@ PRESETS: dict[str, dict] = {
         vision_patch_size=14, vision_merge=2, vision_max_tokens=4096,
     ),
 }
+PRESETS["2.8t"] = PRESETS["k3"]  # the articles' name for the model, now the released shapes

@@ -8,7 +8,7 @@ from horizon import ModelConfig
 from horizon.config import default_layer_types
 
 
-@pytest.mark.parametrize("name", ["tiny", "small", "2.8t"])
+@pytest.mark.parametrize("name", ["tiny", "small", "k3", "2.8t-articles"])
 def test_presets_round_trip_through_config_json(tmp_path, name):
     cfg = ModelConfig.preset(name)
     cfg.save(tmp_path / "config.json")
@@ -21,8 +21,11 @@ def test_schedule_every_fourth_and_last_layer_is_dsa():
     types = default_layer_types(93)
     assert types.count("dsa") == 24 and types.count("kda") == 69
     assert [i + 1 for i, t in enumerate(types) if t == "dsa"] == [*range(4, 93, 4), 93]
-    cfg = ModelConfig.preset("2.8t")
-    assert cfg.layer_types == types and cfg.index_topk == 2048 and cfg.max_position_embeddings == 1_048_576
+    cfg = ModelConfig.preset("k3")  # Kimi K3 as released: plain MLA (no indexer) on that schedule
+    assert cfg.layer_types == types and cfg.index_n_heads == 0 and cfg.max_position_embeddings == 1_048_576
+    assert ModelConfig.preset("2.8t") == cfg
+    articles = ModelConfig.preset("2.8t-articles")  # the articles' Gated DSA guess, kept as an option
+    assert articles.layer_types == types and articles.index_topk == 2048
 
 
 def test_tiny_has_enough_index_heads_and_a_sparse_topk():
@@ -58,7 +61,7 @@ def test_unknown_fields_and_foreign_model_types_are_refused():
         ModelConfig.from_dict({**data, "hiden_size": 3})
     with pytest.raises(ValueError, match="kimi_linear"):
         ModelConfig.from_dict({**data, "model_type": "kimi_linear"})
-    with pytest.raises(ValueError, match="unknown preset 'huge'; allowed: tiny, mini, small, 2.8t"):
+    with pytest.raises(ValueError, match="unknown preset 'huge'; allowed: tiny, mini, small, k3, 2.8t-articles, 2.8t"):
         ModelConfig.preset("huge")
 
 

@@ -4,7 +4,7 @@ import pytest
 import torch
 
 from horizon.model import balance_moe_bias
-from horizon.model.moe import MoE, Router, _grouped_mm_takes, dispatch, grouped_experts, swiglu_expert
+from horizon.model.moe import MoE, Router, _grouped_mm_takes, dispatch, glu_expert, grouped_experts
 from horizon.quant.kernels import kernel_available
 
 from .conftest import tiny
@@ -167,7 +167,7 @@ def _experts_problem(N, k, E, d, f, dtype, seed=0):
 
 
 def _dispatched(x, weights, idx, gate_up, down):
-    return dispatch(x, weights, idx, gate_up.shape[0], lambda e, xs: swiglu_expert(gate_up[e], down[e], xs))[0]
+    return dispatch(x, weights, idx, gate_up.shape[0], lambda e, xs: glu_expert(gate_up[e], down[e], xs))[0]
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])

@@ -15,18 +15,23 @@ from horizon.plan import plan
 from .conftest import tiny, tiny_model
 
 
-def test_2_8t_plan_meets_the_seeds_numbers(capsys):
-    assert main(["plan", "--preset", "2.8t", "--json"]) == 0
+def test_k3_plan_gives_the_released_models_numbers(capsys):
+    assert main(["plan", "--preset", "k3", "--json"]) == 0
     p = json.loads(capsys.readouterr().out)
     assert p["num_layers"] == 93 and p["num_dsa_layers"] == 24 and p["num_kda_layers"] == 69
-    assert abs(p["total_params"] / 2.8e12 - 1) < 0.02
-    assert abs(p["active_params"] / 1.04e11 - 1) < 0.03
+    assert p["attention"] == "MLA"
+    # shared/K3.md, from the released shapes: 2.779T total, 105.4B active, experts 1.446 TB in MXFP4
+    assert round(p["total_params"] / 1e9) == 2779 and round(p["active_params"] / 1e8) == 1054
+    assert round(p["routed_expert_bytes_mxfp4"] / 1e9) == 1446
+    assert p["routed_expert_bytes_mxfp4"] == p["routed_expert_params"] * 17 // 32
+    # per sequence: the KDA states (fp32, 96 heads of 128 x 128 in 69 layers) plus the conv tails
+    assert p["kda_state_bytes"] == 69 * (96 * 128 * 128 * 4 + 3 * 3 * 12288 * 2)
     for key in ("weight_bytes_bf16", "weight_bytes_mxfp4", "cache_bytes_per_token", "kda_state_bytes",
                 "cache_bytes_at_context", "min_gpus_141gb"):
         assert isinstance(p[key], int) and p[key] > 0
     assert p["weight_bytes_bf16"] == 2 * p["total_params"]
-    cfg = ModelConfig.preset("2.8t")
-    per_token = 24 * (cfg.kv_lora_rank + cfg.qk_rope_head_dim + cfg.index_head_dim) * 2
+    cfg = ModelConfig.preset("k3")
+    per_token = 24 * (cfg.kv_lora_rank + cfg.qk_rope_head_dim) * 2  # the MLA latent row, bf16
     assert p["cache_bytes_per_token"] == per_token
     assert p["cache_bytes_at_context"] == per_token * 1_048_576
     need = p["weight_bytes_mxfp4"] + p["cache_bytes_at_context"] + p["kda_state_bytes"]
@@ -82,16 +87,17 @@ def test_plan_rejects_a_context_beyond_the_window():
 
 
 def test_plan_command_prints_a_table():
-    out = subprocess.run([sys.executable, "-m", "horizon.cli", "plan", "--preset", "2.8t"],
+    out = subprocess.run([sys.executable, "-m", "horizon.cli", "plan", "--preset", "k3"],
                          capture_output=True, text=True, check=True).stdout
-    assert "93 = 24 Gated DSA + 69 KDA" in out and "141 GB GPUs" in out
+    assert "93 = 24 MLA + 69 KDA" in out and "141 GB GPUs" in out
     bad = subprocess.run([sys.executable, "-m", "horizon.cli", "plan", "--preset", "2.8t", "--context", "0"],
                          capture_output=True, text=True)
     assert bad.returncode == 2 and "context=0" in bad.stderr and "Traceback" not in bad.stderr
 
 
 def test_per_rank_plan_for_2_8t_names_the_smallest_layout_and_what_tp_8_lacks(capsys):
-    assert main(["plan", "--preset", "2.8t", "--tp", "16", "--json"]) == 0
+    # the articles' layout (2304-wide experts) exercises the expert-parallel hint; K3's 3072 divide by 16
+    assert main(["plan", "--preset", "2.8t-articles", "--tp", "16", "--json"]) == 0
     p = json.loads(capsys.readouterr().out)
     par, whole = p["parallel"], p
     req = par["requested"]
@@ -110,7 +116,7 @@ def test_per_rank_plan_for_2_8t_names_the_smallest_layout_and_what_tp_8_lacks(ca
     for tp8 in par["tp8"]:
         assert tp8["tp"] == 8 and tp8["divides"] and not tp8["fits"] and tp8["sequences_at_context_per_rank"] == 0
         assert tp8["weight_bytes_per_rank"] > 141e9
-    assert main(["plan", "--preset", "2.8t", "--tp", "8", "--gpu-memory", "288GB", "--json"]) == 0
+    assert main(["plan", "--preset", "2.8t-articles", "--tp", "8", "--gpu-memory", "288GB", "--json"]) == 0
     assert json.loads(capsys.readouterr().out)["parallel"]["requested"]["fits"]
 
 

@@ -19,7 +19,8 @@ step reads them where they lie in the paged cache: paged_latent_attention; elsew
 When every query sees at most `index_topk` positions the selection is everything visible, so the
 layer runs plain dense causal attention and skips the indexer.
 
-Finally each head's output is multiplied by sigmoid(G x) (low-rank G) before W_o.
+Finally each head's output is multiplied by sigmoid(G x) before W_o: G low-rank (gate_b gate_a, the
+articles' form) or one full-rank matrix (Kimi K3's g_proj, `dsa_gate_full_rank`), or no gate.
 
 The layers hold no per-call state: the attention form, the selection rule and the probes a caller
 wants (recorded selections, coverage, the indexer's training inputs) come in a `ForwardOptions`
@@ -326,10 +327,12 @@ class GatedDSA(nn.Module):
         self.kv_norm = RMSNorm(self.kv_rank, cfg.mla_eps)
         self.wkv_b = nn.Linear(self.kv_rank, H * (self.nope + self.v_dim), bias=False)
         self.wo = nn.Linear(H * self.v_dim, d, bias=cfg.attention_bias)
-        self.gate_rank = cfg.dsa_gate_rank
+        self.gate_rank, self.full_rank_gate = cfg.dsa_gate_rank, cfg.dsa_gate_full_rank
         if self.gate_rank:
             self.gate_a = nn.Linear(d, self.gate_rank, bias=False)
             self.gate_b = nn.Linear(self.gate_rank, H * self.v_dim, bias=False)
+        elif self.full_rank_gate:  # Kimi K3's g_proj: one full-rank matrix on the layer's normed input
+            self.gate = nn.Linear(d, H * self.v_dim, bias=False)
         self.indexer = LightningIndexer(cfg) if cfg.index_n_heads else None
 
     # --- projections -------------------------------------------------------------------------
@@ -538,4 +541,6 @@ class GatedDSA(nn.Module):
         o = batch.unpad(o).to(x.dtype)  # [N, H, v]
         if self.gate_rank:
             o = o * torch.sigmoid(self.gate_b(self.gate_a(x))).view_as(o)
+        elif self.full_rank_gate:
+            o = o * torch.sigmoid(self.gate(x)).view_as(o)
         return self.wo(o.flatten(1))

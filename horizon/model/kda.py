@@ -210,15 +210,21 @@ class KimiDeltaAttention(nn.Module):
         self.k_proj = nn.Linear(d, P, bias=False)
         self.v_proj = nn.Linear(d, P, bias=False)
         self.conv_weight = nn.Parameter(torch.empty(3 * P, cfg.kda_conv_size))  # q | k | v channels
-        # decay: log alpha = -exp(A_log[h]) * softplus(f_b(f_a(x)) + dt_bias), low-rank through d_k
+        # decay: log alpha = -exp(A_log[h]) * softplus(f_b(f_a(x)) + dt_bias), low-rank through d_k; with a
+        # lower bound lb (Kimi K3) log alpha = lb * sigmoid(exp(A_log[h]) * (f_b(f_a(x)) + dt_bias)) instead
+        self.lower_bound = cfg.kda_gate_lower_bound
         self.f_a_proj = nn.Linear(d, dk, bias=False)
         self.f_b_proj = nn.Linear(dk, P, bias=False)
         self.A_log = nn.Parameter(torch.empty(H))
         self.dt_bias = nn.Parameter(torch.empty(P))
         self.b_proj = nn.Linear(d, H, bias=False)  # beta = sigmoid(b_proj x), one per head
-        # output: o_proj(sigmoid(g_b(g_a(x))) * RMSNorm_per_head(o))
-        self.g_a_proj = nn.Linear(d, dk, bias=False)
-        self.g_b_proj = nn.Linear(dk, P, bias=False)
+        # output: o_proj(sigmoid(gate(x)) * RMSNorm_per_head(o)), gate low-rank g_b(g_a(x)) or full-rank g_proj(x)
+        self.full_rank_gate = cfg.kda_gate_full_rank
+        if self.full_rank_gate:
+            self.g_proj = nn.Linear(d, P, bias=False)
+        else:
+            self.g_a_proj = nn.Linear(d, dk, bias=False)
+            self.g_b_proj = nn.Linear(dk, P, bias=False)
         self.o_norm_weight = nn.Parameter(torch.ones(dk))
         self.o_proj = nn.Linear(P, d, bias=False)
 
@@ -233,9 +239,15 @@ class KimiDeltaAttention(nn.Module):
 
     def decay(self, x: torch.Tensor) -> torch.Tensor:
         """log alpha [N, H, d_k] in fp32."""
-        raw = self.f_b_proj(self.f_a_proj(x)).float() + self.dt_bias.float()
-        g = -self.A_log.float().exp()[:, None] * F.softplus(raw.view(-1, self.num_heads, self.head_dim))
-        return g
+        raw = (self.f_b_proj(self.f_a_proj(x)).float() + self.dt_bias.float()).view(-1, self.num_heads, self.head_dim)
+        rate = self.A_log.float().exp()[:, None]
+        if self.lower_bound is not None:  # K3: in (lb, 0) whatever the input; not a clamp of the form below
+            return self.lower_bound * torch.sigmoid(rate * raw)
+        return -rate * F.softplus(raw)
+
+    def output_gate(self, x: torch.Tensor) -> torch.Tensor:
+        """The output gate's logits [N, H * d_k] (sigmoid is applied with the norm)."""
+        return self.g_proj(x) if self.full_rank_gate else self.g_b_proj(self.g_a_proj(x))
 
     def _mixed(self, q, k, v, g, beta, state, lens):
         """A forward that mixes decode steps (one token) with prefill chunks: the decodes run the
@@ -287,6 +299,6 @@ class KimiDeltaAttention(nn.Module):
             if layer_cache is not None:
                 layer_cache.write(batch.slots, state, new_tail)
         o = batch.unpad(o)  # [N, H, dk] fp32
-        gate = self.g_b_proj(self.g_a_proj(x)).view(-1, H, dk)
+        gate = self.output_gate(x).view(-1, H, dk)
         o = gated_rms_norm(o, gate, self.o_norm_weight, self.eps).to(x.dtype)
         return self.o_proj(o.reshape(-1, P))

@@ -1,8 +1,10 @@
-"""Small building blocks shared by the layers: RMSNorm, the SwiGLU MLP, rotary embedding, L2 norm."""
+"""Small building blocks shared by the layers: RMSNorm, the GLU activations (SwiGLU, SiTU) and the MLP,
+rotary embedding, L2 norm."""
 
 from __future__ import annotations
 
 import math
+from dataclasses import dataclass
 
 import torch
 import torch.nn.functional as F
@@ -37,17 +39,49 @@ def l2_normalize(x: torch.Tensor, eps: float = 1e-6) -> torch.Tensor:
     return x / torch.sqrt((x * x).sum(-1, keepdim=True) + eps)
 
 
-class MLP(nn.Module):
-    """SwiGLU feed-forward: down(silu(gate(x)) * up(x))."""
+def situ(gate: torch.Tensor, up: torch.Tensor, beta: float, linear_beta: float) -> torch.Tensor:
+    """Kimi K3's SiTU-GLU: beta tanh(g / beta) sigmoid(g) * linear_beta tanh(u / linear_beta), in fp32.
 
-    def __init__(self, dim: int, hidden: int):
+    A SiLU whose gate saturates at +-beta and whose linear branch saturates at +-linear_beta, so no
+    activation grows without bound (K3: beta 4, linear_beta 25); rounded to the inputs' dtype once."""
+    g, u = gate.float(), up.float()
+    return (beta * torch.tanh(g / beta) * torch.sigmoid(g) * (linear_beta * torch.tanh(u / linear_beta))).to(gate.dtype)
+
+
+@dataclass(frozen=True)
+class GLU:
+    """The activation joining a GLU's gate and up halves: "silu" (SwiGLU: silu(g) * u, in the inputs'
+    dtype) or "situ" (`situ`). One value per model (ModelConfig.hidden_act), held by every MLP and expert set."""
+
+    kind: str = "silu"
+    beta: float = 4.0
+    linear_beta: float = 25.0
+
+    @classmethod
+    def of(cls, cfg) -> GLU:
+        return cls(cfg.hidden_act, float(cfg.situ_beta), float(cfg.situ_linear_beta))
+
+    def __call__(self, gate: torch.Tensor, up: torch.Tensor) -> torch.Tensor:
+        if self.kind == "silu":
+            return F.silu(gate) * up
+        return situ(gate, up, self.beta, self.linear_beta)
+
+
+SWIGLU = GLU()
+
+
+class MLP(nn.Module):
+    """GLU feed-forward: down(act(gate(x), up(x))), act SwiGLU's silu(g) * u or K3's SiTU (`GLU`)."""
+
+    def __init__(self, dim: int, hidden: int, act: GLU = SWIGLU):
         super().__init__()
+        self.act = act
         self.gate_proj = nn.Linear(dim, hidden, bias=False)
         self.up_proj = nn.Linear(dim, hidden, bias=False)
         self.down_proj = nn.Linear(hidden, dim, bias=False)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return self.down_proj(F.silu(self.gate_proj(x)) * self.up_proj(x))
+        return self.down_proj(self.act(self.gate_proj(x), self.up_proj(x)))
 
 
 def yarn_mscale(scale: float, mscale: float = 1.0) -> float:

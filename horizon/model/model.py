@@ -4,8 +4,10 @@
     for each block:  h += Attn(RMSNorm(h));  h += FFN(RMSNorm(h))
     logits = lm_head(RMSNorm(h))
 
-Attn is KDA or Gated DSA by `config.layer_types`; FFN is a dense SwiGLU MLP for the first
-`first_k_dense` blocks and an MoE after that.
+Attn is KDA or Gated DSA by `config.layer_types`; FFN is a dense GLU MLP (SwiGLU, or Kimi K3's SiTU) for
+the first `first_k_dense` blocks and an MoE after that. With attention residuals (Kimi K3,
+`attn_res_block_size` > 0; horizon.model.attn_res) each sublayer's input is a learned mix over depth
+of banked block states and the running partial sum instead of the plain residual h.
 
 Two ways in:
 - `model(input_ids [B, T], cache=None, lengths=None)`: a right-padded batch (`lengths[b]` real
@@ -25,11 +27,12 @@ import torch
 from torch import nn
 
 from horizon.config import ModelConfig
+from horizon.model.attn_res import DepthMix
 from horizon.model.batch import Batch
 from horizon.model.cache import HorizonCache
 from horizon.model.dsa import GatedDSA
 from horizon.model.kda import KimiDeltaAttention
-from horizon.model.layers import MLP, RMSNorm
+from horizon.model.layers import GLU, MLP, RMSNorm
 from horizon.model.moe import MoE, Router
 from horizon.model.options import ForwardOptions
 from horizon.model.vision import VisionEncoder
@@ -43,14 +46,38 @@ class Block(nn.Module):
         kind = cfg.layer_types[layer_idx]
         self.attn = KimiDeltaAttention(cfg, layer_idx) if kind == "kda" else GatedDSA(cfg, layer_idx)
         self.mlp_norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
-        self.mlp = MoE(cfg) if cfg.is_moe_layer(layer_idx) else MLP(cfg.hidden_size, cfg.intermediate_size)
+        self.mlp = (MoE(cfg) if cfg.is_moe_layer(layer_idx)
+                    else MLP(cfg.hidden_size, cfg.intermediate_size, GLU.of(cfg)))
+        # attention residuals: the mixes that make the attention's and the MLP's inputs; a block of
+        # `attn_res_block_size` layers begins here when block_start
+        if cfg.attn_res_block_size:
+            self.attn_res = DepthMix(cfg.hidden_size, cfg.rms_norm_eps)
+            self.mlp_res = DepthMix(cfg.hidden_size, cfg.rms_norm_eps)
+            self.block_start = layer_idx % cfg.attn_res_block_size == 0
         # set by horizon.parallel.shard: the mixer and the MLP then return this rank's partial sums, and
         # one all-reduce each completes them
         self.tp_reduce = False
 
     def forward(self, h: torch.Tensor, batch: Batch, cache: HorizonCache | None,
-                options: ForwardOptions | None = None) -> torch.Tensor:
-        x = self.attn_norm(h)
+                options: ForwardOptions | None = None, bank: list[torch.Tensor] | None = None) -> torch.Tensor:
+        """The layer on h [N, d]. bank: the attention residuals' banked block states (appended to at a
+        block's start), None for the plain residual stream; then h is the partial sum and so is the result."""
+        if bank is None:
+            h = h + self._attend(self.attn_norm(h), batch, cache, options)
+            return h + self._ffn(self.mlp_norm(h))
+        x = self.attn_res(bank, h)
+        if self.block_start:
+            bank.append(h)
+        mixed = self._attend(self.attn_norm(x), batch, cache, options)
+        partial = mixed if self.block_start else h + mixed
+        return partial + self._ffn(self.mlp_norm(self.mlp_res(bank, partial)))
+
+    def _ffn(self, x: torch.Tensor) -> torch.Tensor:
+        y = self.mlp(x)
+        return all_reduce(y) if self.tp_reduce else y
+
+    def _attend(self, x: torch.Tensor, batch: Batch, cache: HorizonCache | None,
+                options: ForwardOptions | None) -> torch.Tensor:
         parts = batch.split_decode() if cache is not None else []  # only engine steps mix decode and prefill
         if len(parts) < 2:
             # options by keyword: forward pre-hooks (tests, tools) keep seeing (x, batch, cache)
@@ -59,11 +86,7 @@ class Block(nn.Module):
             mixed = torch.empty_like(x)
             for sub, idx in parts:
                 mixed[idx] = self.attn(x[idx], sub, cache, options=options)
-        if self.tp_reduce:
-            mixed = all_reduce(mixed)
-        h = h + mixed
-        y = self.mlp(self.mlp_norm(h))
-        return h + (all_reduce(y) if self.tp_reduce else y)
+        return all_reduce(mixed) if self.tp_reduce else mixed
 
 
 class HorizonForCausalLM(nn.Module):
@@ -75,6 +98,8 @@ class HorizonForCausalLM(nn.Module):
         self.cache_config = config
         self.embed = nn.Embedding(config.vocab_size, config.hidden_size)
         self.layers = nn.ModuleList(Block(config, i) for i in range(config.num_layers))
+        # attention residuals: the last mix over depth, before the final norm
+        self.output_res = DepthMix(config.hidden_size, config.rms_norm_eps) if config.attn_res_block_size else None
         self.norm = RMSNorm(config.hidden_size, config.rms_norm_eps)
         self.lm_head = nn.Linear(config.hidden_size, config.vocab_size, bias=False)
         if config.tie_word_embeddings:
@@ -180,12 +205,17 @@ class HorizonForCausalLM(nn.Module):
                 got = None if image_embeds is None else tuple(image_embeds.shape)
                 raise ValueError(f"image_embeds must be [{n}, {h.shape[-1]}] for {n} image positions, got {got}")
             h = h.masked_scatter(image_mask[:, None], image_embeds.to(h.dtype))
+        bank: list[torch.Tensor] | None = [] if self.output_res is not None else None
         for block in self.layers:
-            h = block(h, batch, cache, options)
+            h = block(h, batch, cache, options, bank=bank)
         if cache is not None:
             cache.full_lens[batch.slots] += batch.lens
         if last_only:
-            h = h[torch.cumsum(batch.lens, 0) - 1]
+            last = torch.cumsum(batch.lens, 0) - 1
+            h = h[last]
+            bank = None if bank is None else [b[last] for b in bank]
+        if bank is not None:
+            h = self.output_res(bank, h)
         return self.lm_head(self.norm(h)).float()
 
     def forward(self, input_ids: torch.Tensor, cache: HorizonCache | None = None,

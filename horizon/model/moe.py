@@ -15,6 +15,11 @@ layer), so inside a compiled graph (horizon.engine.runner's decode step) it runs
 op (`horizon::routed_experts`), which the trace does not enter. A compiled step avoids it where it can
 (`Experts.sync_free`): the CPU kernels, a fused gather for few pairs, and on CUDA in bf16 (sm90+) one
 grouped matmul whose group ends stay on the device (`grouped_experts`), so CUDA graphs capture it.
+
+Experts are GLU MLPs with the model's activation (SwiGLU, or Kimi K3's SiTU: horizon.model.layers.GLU).
+Latent MoE (Kimi K3, `moe_latent_size` > 0): the router reads the full hidden state, but the routed
+experts run on z = latent_down_proj(x); their weighted sum is RMS-normed (`moe_latent_norm`) and
+latent_up_proj maps it back to the hidden width. The shared experts stay on the full-width x.
 """
 
 from __future__ import annotations
@@ -25,13 +30,14 @@ import torch.nn.functional as F
 from torch import nn
 
 from horizon.config import ModelConfig
-from horizon.model.layers import MLP
+from horizon.model.layers import GLU, MLP, SWIGLU, RMSNorm
+from horizon.parallel.group import all_reduce
 
 
-def swiglu_expert(gate_up: torch.Tensor, down: torch.Tensor, x: torch.Tensor) -> torch.Tensor:
-    """One SwiGLU expert: gate_up [2f, d], down [d, f], x [n, d] -> [n, d]."""
+def glu_expert(gate_up: torch.Tensor, down: torch.Tensor, x: torch.Tensor, act: GLU = SWIGLU) -> torch.Tensor:
+    """One GLU expert: gate_up [2f, d], down [d, f], x [n, d] -> [n, d]."""
     gate, up = F.linear(x, gate_up).chunk(2, dim=-1)
-    return F.linear(F.silu(gate) * up, down)
+    return F.linear(act(gate, up), down)
 
 
 def dispatch(x: torch.Tensor, weights: torch.Tensor, idx: torch.Tensor, n_experts: int,
@@ -78,7 +84,7 @@ def expert_loads(experts: nn.Module, idx: torch.Tensor) -> torch.Tensor:
 
 
 def grouped_experts(x: torch.Tensor, weights: torch.Tensor, idx: torch.Tensor, gate_up: torch.Tensor,
-                    down: torch.Tensor) -> torch.Tensor:
+                    down: torch.Tensor, act: GLU = SWIGLU) -> torch.Tensor:
     """`dispatch` over stacked experts (gate_up [E, 2f, d], down [E, d, f]) with nothing read back to the host:
     the (token, expert) pairs sorted by expert on the device, each expert's rows one group of
     `torch._grouped_mm`, whose group ends are a device tensor. On CUDA in bf16 from compute capability 9.0
@@ -93,7 +99,7 @@ def grouped_experts(x: torch.Tensor, weights: torch.Tensor, idx: torch.Tensor, g
     ends = counts[:E].cumsum(0, dtype=torch.int32)
     token = order // k
     gate, up = torch._grouped_mm(x[token], gate_up.transpose(1, 2), offs=ends).chunk(2, dim=-1)
-    ys = torch._grouped_mm(F.silu(gate) * up, down.transpose(1, 2), offs=ends)  # rows past ends[-1]: undefined
+    ys = torch._grouped_mm(act(gate, up), down.transpose(1, 2), offs=ends)  # rows past ends[-1]: undefined
     ys = torch.where((torch.arange(N * k, device=x.device) < ends[-1])[:, None], ys, 0)
     ys = ys * weights.flatten()[order, None].to(ys.dtype)
     return torch.zeros_like(x).index_add_(0, token, ys.to(x.dtype))
@@ -108,15 +114,17 @@ def _grouped_mm_takes(x: torch.Tensor, w: torch.Tensor) -> bool:
 
 @torch.library.custom_op("horizon::routed_experts", mutates_args=())
 def routed_experts(x: torch.Tensor, weights: torch.Tensor, idx: torch.Tensor, gate_up: torch.Tensor,
-                   down: torch.Tensor) -> torch.Tensor:
+                   down: torch.Tensor, act: str, beta: float, linear_beta: float) -> torch.Tensor:
     """`dispatch` over stacked experts as one opaque op: inside a compiled graph (horizon.engine.runner's
     decode step) its host sync (the counts) and its loop stay out of the trace, so the graph has no break.
-    The loop is already the fastest CPU form (torch._grouped_mm visits all E groups)."""
-    return dispatch(x, weights, idx, gate_up.shape[0], lambda e, xs: swiglu_expert(gate_up[e], down[e], xs))[0]
+    The loop is already the fastest CPU form (torch._grouped_mm visits all E groups). act, beta,
+    linear_beta: the GLU activation's fields (a custom op takes plain values)."""
+    glu = GLU(act, beta, linear_beta)
+    return dispatch(x, weights, idx, gate_up.shape[0], lambda e, xs: glu_expert(gate_up[e], down[e], xs, glu))[0]
 
 
 @routed_experts.register_fake
-def _(x, weights, idx, gate_up, down):
+def _(x, weights, idx, gate_up, down, act, beta, linear_beta):
     return torch.empty_like(x)
 
 
@@ -173,17 +181,17 @@ class Router(nn.Module):
 
 
 class Experts(nn.Module):
-    """E SwiGLU experts stored stacked: gate_up_proj [E, 2f, d], down_proj [E, d, f]."""
+    """E GLU experts stored stacked: gate_up_proj [E, 2f, d], down_proj [E, d, f]; act: their activation."""
 
-    def __init__(self, n_experts: int, dim: int, hidden: int):
+    def __init__(self, n_experts: int, dim: int, hidden: int, act: GLU = SWIGLU):
         super().__init__()
-        self.n_experts = n_experts
+        self.n_experts, self.act = n_experts, act
         self.expert_range: tuple[int, int] | None = None  # (first, total) under expert parallelism
         self.gate_up_proj = nn.Parameter(torch.empty(n_experts, 2 * hidden, dim))
         self.down_proj = nn.Parameter(torch.empty(n_experts, dim, hidden))
 
     def expert(self, e: int, x: torch.Tensor) -> torch.Tensor:
-        return swiglu_expert(self.gate_up_proj[e], self.down_proj[e], x)
+        return glu_expert(self.gate_up_proj[e], self.down_proj[e], x, self.act)
 
     def forward(self, x: torch.Tensor, weights: torch.Tensor, idx: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """x [N, d], weights / idx [N, k] -> (sum_k weight * expert(x) [N, d], tokens per expert [E] or None).
@@ -217,19 +225,20 @@ class Experts(nn.Module):
         rows_kernel = _rows_kernel_takes(x, self.gate_up_proj)
         if not rows_kernel and N * k > 2 * self.n_experts:  # these take the assignments as they are
             if _grouped_mm_takes(x, self.gate_up_proj):
-                return grouped_experts(x, weights, idx, self.gate_up_proj, self.down_proj)
+                return grouped_experts(x, weights, idx, self.gate_up_proj, self.down_proj, self.act)
             if x.device.type != "cuda":  # its host sync: a CUDA graph cannot hold it (there the form below)
-                return routed_experts(x, weights, idx, self.gate_up_proj, self.down_proj)
+                return routed_experts(x, weights, idx, self.gate_up_proj, self.down_proj, self.act.kind,
+                                      self.act.beta, self.act.linear_beta)
         flat = idx.flatten().clamp(max=self.n_experts - 1)  # another rank's experts: any row, weight 0
         xs = x.repeat_interleave(k, dim=0)  # row t * k + j: token t for its j-th expert
         if rows_kernel:
             rows_matmul = torch.ops.horizon_kernels.rows_matmul
             # rounded to x's dtype between the matmuls, as the eager loop's F.linear rounds its output
             gate, up = rows_matmul(xs, self.gate_up_proj, flat).to(x.dtype).chunk(2, dim=-1)
-            out = rows_matmul(F.silu(gate) * up, self.down_proj, flat).to(x.dtype)
+            out = rows_matmul(self.act(gate, up), self.down_proj, flat).to(x.dtype)
         else:
             gate, up = (xs[:, None, :] * self.gate_up_proj[flat]).sum(-1).chunk(2, dim=-1)
-            out = ((F.silu(gate) * up)[:, None, :] * self.down_proj[flat]).sum(-1)
+            out = (self.act(gate, up)[:, None, :] * self.down_proj[flat]).sum(-1)
         return (out.view(N, k, -1) * weights[..., None].to(out.dtype)).sum(1)
 
 
@@ -244,19 +253,37 @@ def _rows_kernel_takes(x: torch.Tensor, w: torch.Tensor) -> bool:
 class MoE(nn.Module):
     def __init__(self, cfg: ModelConfig):
         super().__init__()
+        act, d, latent = GLU.of(cfg), cfg.hidden_size, cfg.moe_latent_size
         self.gate = Router(cfg)
-        self.experts = Experts(cfg.n_routed_experts, cfg.hidden_size, cfg.moe_intermediate_size)
-        self.shared_experts = (MLP(cfg.hidden_size, cfg.moe_intermediate_size * cfg.n_shared_experts)
+        self.latent = latent > 0
+        if self.latent:  # K3's latent MoE: experts on z = W_down x, RMSNorm after the combine, W_up back
+            self.latent_down_proj = nn.Linear(d, latent, bias=False)
+            self.latent_norm = RMSNorm(latent, cfg.rms_norm_eps) if cfg.moe_latent_norm else None
+            self.latent_up_proj = nn.Linear(latent, d, bias=False)
+        self.experts = Experts(cfg.n_routed_experts, latent or d, cfg.moe_intermediate_size, act)
+        self.shared_experts = (MLP(d, cfg.moe_intermediate_size * cfg.n_shared_experts, act)
                                if cfg.n_shared_experts else None)
+        # set by horizon.parallel.shard for a latent MoE under tensor / expert parallelism: this rank's index.
+        # The routed experts' partial sums are then completed (all-reduced) before the norm, which is not
+        # linear; the norm and the replicated up-projection run on rank 0 only, the others add zeros, so the
+        # block's one all-reduce adds the routed part once beside the shared experts' partial sums.
+        self.latent_tp_rank: int | None = None
         # tokens routed to each expert since the last bias update (counted in training mode)
         # (int64: model.to(dtype) leaves integer buffers alone, so counts never round)
         self.register_buffer("load", torch.zeros(cfg.n_routed_experts, dtype=torch.long), persistent=False)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         weights, idx = self.gate(x)
-        y, counts = self.experts(x, weights, idx)
+        y, counts = self.experts(self.latent_down_proj(x) if self.latent else x, weights, idx)
         if self.training and counts is not None:
             self.load += counts
+        if self.latent:
+            if self.latent_tp_rank is not None:
+                y = all_reduce(y)
+            if self.latent_tp_rank:  # not the driver: rank 0 adds the routed part
+                y = x.new_zeros(x.shape)
+            else:
+                y = self.latent_up_proj(self.latent_norm(y) if self.latent_norm is not None else y)
         if self.shared_experts is not None:
             y = y + self.shared_experts(x)
         return y

@@ -10,6 +10,10 @@ layers):
   rank 0 only). The lightning indexer is replicated, so its top-k is computed from identical inputs
   with identical weights on every rank; the latent + indexer-key cache is replicated too.
 - MLPs (dense and shared experts): gate/up column-parallel, down row-parallel.
+- Kimi K3's full-rank output gates (KDA g_proj, MLA gate) split by head like the heads they gate. A latent
+  MoE's down-projection, norm and up-projection are replicated: the routed experts' partial sums are
+  all-reduced in the latent (before the norm, which is not linear) and rank 0 adds the up-projected result.
+- Attention residuals need nothing: they mix replicated, already-reduced sublayer outputs.
 - Routed experts: tensor-parallel (each expert's hidden width split; `ep=False`) or expert-parallel
   (whole experts per rank, `ep=True`, vLLM's --enable-expert-parallel); the router is replicated, and a
   rank computes only the assignments to its own experts.
@@ -38,7 +42,7 @@ from horizon.model.dsa import GatedDSA
 from horizon.model.kda import KimiDeltaAttention
 from horizon.model.layers import MLP
 from horizon.model.model import Block
-from horizon.model.moe import Experts
+from horizon.model.moe import Experts, MoE
 from horizon.quant.int8 import Int8Linear
 from horizon.quant.layers import MXFP4Experts, MXFP4Linear
 from horizon.quant.mxfp4 import BLOCK as MXFP4_BLOCK
@@ -107,8 +111,8 @@ class Layout:
 
 
 # --- which tensors split, and how ----------------------------------------------------------------------
-COLUMN = {KimiDeltaAttention: ("q_proj", "k_proj", "v_proj", "f_b_proj", "b_proj", "g_b_proj"),
-          GatedDSA: ("wq_b", "wq", "wkv_b", "gate_b"), MLP: ("gate_proj", "up_proj")}
+COLUMN = {KimiDeltaAttention: ("q_proj", "k_proj", "v_proj", "f_b_proj", "b_proj", "g_b_proj", "g_proj"),
+          GatedDSA: ("wq_b", "wq", "wkv_b", "gate_b", "gate"), MLP: ("gate_proj", "up_proj")}
 ROW = {KimiDeltaAttention: ("o_proj",), GatedDSA: ("wo",), MLP: ("down_proj",)}
 OWN = {KimiDeltaAttention: {"conv_weight": Split(0, 3), "A_log": Split(0), "dt_bias": Split(0)}}
 
@@ -220,6 +224,8 @@ def _resize_modules(model: nn.Module, layout: Layout) -> None:
                 module.hidden //= tp
         elif isinstance(module, Block):
             module.tp_reduce = True
+        elif isinstance(module, MoE) and module.latent:
+            module.latent_tp_rank = layout.rank
 
 
 @torch.no_grad()

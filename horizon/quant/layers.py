@@ -28,6 +28,7 @@ from torch import nn
 
 from horizon.model.dsa import GatedDSA
 from horizon.model.kda import KimiDeltaAttention
+from horizon.model.layers import GLU, SWIGLU
 from horizon.model.moe import Experts, expert_loads, local_assignments
 from horizon.quant.kernels import mxfp4_kernel_runs_on, mxfp4_matmul, round_activations
 from horizon.quant.mxfp4 import BLOCK, BLOCK_BYTES, dequantize, quantize
@@ -73,9 +74,9 @@ class MXFP4Experts(nn.Module):
 
     int8_activations: bool = False
 
-    def __init__(self, n_experts: int, dim: int, hidden: int, device=None):
+    def __init__(self, n_experts: int, dim: int, hidden: int, device=None, act: GLU = SWIGLU):
         super().__init__()
-        self.n_experts, self.dim, self.hidden = n_experts, dim, hidden
+        self.n_experts, self.dim, self.hidden, self.act = n_experts, dim, hidden, act
         self.expert_range: tuple[int, int] | None = None  # (first, total) under expert parallelism
         _packed_buffers(self, "gate_up_proj", (n_experts, 2 * hidden), dim, device)
         _packed_buffers(self, "down_proj", (n_experts, dim), hidden, device)
@@ -83,7 +84,7 @@ class MXFP4Experts(nn.Module):
     @classmethod
     def empty_like(cls, experts: Experts) -> MXFP4Experts:
         E, d, f = experts.down_proj.shape
-        return cls(E, d, f, device=experts.down_proj.device)
+        return cls(E, d, f, device=experts.down_proj.device, act=experts.act)
 
     @classmethod
     @torch.no_grad()
@@ -106,10 +107,10 @@ class MXFP4Experts(nn.Module):
             gate, up = mxfp4_matmul(x, self.gate_up_proj_blocks[e:e + 1], self.gate_up_proj_scales[e:e + 1],
                                     zeros, q8).to(x.dtype).chunk(2, dim=-1)
             # rounded to x.dtype between the matmuls, as F.linear in that dtype rounds its output
-            return mxfp4_matmul(F.silu(gate) * up, self.down_proj_blocks[e:e + 1], self.down_proj_scales[e:e + 1],
+            return mxfp4_matmul(self.act(gate, up), self.down_proj_blocks[e:e + 1], self.down_proj_scales[e:e + 1],
                                 zeros, q8).to(x.dtype)
         gate, up = F.linear(_rounded(x, q8), self.weight("gate_up_proj", e, x.dtype)).chunk(2, dim=-1)
-        return F.linear(_rounded(F.silu(gate) * up, q8), self.weight("down_proj", e, x.dtype))
+        return F.linear(_rounded(self.act(gate, up), q8), self.weight("down_proj", e, x.dtype))
 
     def forward(self, x: torch.Tensor, weights: torch.Tensor, idx: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """Experts.forward's contract. Where the fused kernel runs (the CPU kernel; Triton on CUDA) an eager call
@@ -143,7 +144,7 @@ class MXFP4Experts(nn.Module):
         q8 = self.int8_activations
         h = mxfp4_matmul(xs, self.gate_up_proj_blocks, self.gate_up_proj_scales, flat, q8)  # [N*k, 2f]
         gate, up = h.to(x.dtype).chunk(2, dim=-1)
-        y = mxfp4_matmul((F.silu(gate) * up).float(), self.down_proj_blocks, self.down_proj_scales, flat, q8)
+        y = mxfp4_matmul(self.act(gate, up).float(), self.down_proj_blocks, self.down_proj_scales, flat, q8)
         y = y.to(x.dtype)  # [N*k, d]
         return (y.view(n, k, -1) * weights[..., None].to(y.dtype)).sum(1)
 
