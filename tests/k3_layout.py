@@ -61,13 +61,13 @@ def k3_tensors(text: dict, gen: torch.Generator, dtype=torch.float32, packed: bo
     t[m + "norm.weight"] = norm(d)
     t["language_model.lm_head.weight"] = w(V, d)
     t[m + "output_attn_res_norm.weight"] = norm(d)
-    t[m + "output_attn_res_proj.weight"] = w(1, d, std=0.5)
+    t[m + "output_attn_res_proj.weight"] = w(1, d, std=0.2)
     for i in range(L):
         p = f"{m}layers.{i}."
         for n in ("input_layernorm", "post_attention_layernorm", "self_attention_res_norm", "mlp_res_norm"):
             t[p + n + ".weight"] = norm(d)
-        t[p + "self_attention_res_proj.weight"] = w(1, d, std=0.5)
-        t[p + "mlp_res_proj.weight"] = w(1, d, std=0.5)
+        t[p + "self_attention_res_proj.weight"] = w(1, d, std=0.2)
+        t[p + "mlp_res_proj.weight"] = w(1, d, std=0.2)
         a = p + "self_attn."
         if (i + 1) in lin["kda_layers"]:
             for x in "qkvg":
@@ -111,7 +111,7 @@ def k3_tensors(text: dict, gen: torch.Generator, dtype=torch.float32, packed: bo
                 if packed:
                     t[name + "weight_packed"] = torch.randint(0, 256, (rows, cols // 2), generator=gen,
                                                               dtype=torch.uint8)
-                    t[name + "weight_scale"] = torch.randint(117, 121, (rows, cols // 32), generator=gen,
+                    t[name + "weight_scale"] = torch.randint(115, 119, (rows, cols // 32), generator=gen,
                                                              dtype=torch.uint8)
                 else:
                     t[name + "weight"] = w(rows, cols, std=0.2)

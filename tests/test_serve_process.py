@@ -12,11 +12,11 @@ import httpx
 from horizon.server.background import free_port
 
 
-def start(tmp_path, *flags: str, eager: bool = True) -> tuple[subprocess.Popen, str]:
-    """`horizon serve` on the random model at a free port, once /health answers: (process, url). Eager unless
-    told otherwise: these tests are about the process, not compiling."""
+def start(tmp_path, *flags: str, eager: bool = True, model: str = "tiny-random") -> tuple[subprocess.Popen, str]:
+    """`horizon serve` on the random model (or `model`) at a free port, once /health answers: (process, url).
+    Eager unless told otherwise: these tests are about the process, not compiling."""
     port = free_port()
-    proc = subprocess.Popen([sys.executable, "-m", "horizon.cli", "serve", "--model", "tiny-random", "--port",
+    proc = subprocess.Popen([sys.executable, "-m", "horizon.cli", "serve", "--model", model, "--port",
                              str(port), "--signature-key-file", str(tmp_path / "key"), "--responses-db",
                              str(tmp_path / "responses.sqlite3"), "--log-level", "warning",
                              *(["--enforce-eager"] if eager else []), *flags],
