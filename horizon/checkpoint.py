@@ -93,6 +93,8 @@ class TensorStore:
                 handle = safe_open(str(path), framework="pt")
             except (SafetensorError, OSError) as e:
                 raise ValueError(f"{path}: not a readable safetensors file (truncated or corrupt?): {e}") from None
+            except RuntimeError as e:  # the file could not be memory-mapped (address space or overcommit limits)
+                raise ValueError(f"{path}: cannot map the shard into memory: {e}") from None
             self._handles[name] = handle
             for key in handle.keys():
                 if key in self.file_of:

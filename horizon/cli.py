@@ -93,6 +93,31 @@ def _cmd_convert(args: argparse.Namespace) -> int:
     return 0
 
 
+def _cmd_export(args: argparse.Namespace) -> int:
+    import torch
+
+    from horizon.checkpoint import load
+    from horizon.interop import kimi_k3
+
+    model = load(args.model)
+    dtype = getattr(torch, args.dtype) if args.dtype else None
+    kimi_k3.export(model, args.out, dtype=dtype)
+    print(f"wrote {args.out} in Kimi K3's layout ({model.num_parameters():,} parameters; "
+          f"routed experts as compressed-tensors MXFP4)")
+    return 0
+
+
+def _cmd_inspect(args: argparse.Namespace) -> int:
+    from horizon.inspect import inspect_checkpoint, render_inspection
+
+    report = inspect_checkpoint(args.folder)
+    if args.json:
+        print(json.dumps(report, indent=2))
+    else:
+        render_inspection(report)
+    return 0
+
+
 class TerminalStream:
     """Prints a turn's deltas as they arrive: thinking dimmed, tool calls in brackets, the answer plain."""
 
@@ -842,6 +867,21 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--index-head-dim", type=int, default=None, help="with --to-dsa: indexer head dim (64 or 128)")
     p.add_argument("--dtype", choices=["float32", "bfloat16", "float16"], default=None)
     p.set_defaults(func=_cmd_convert)
+
+    p = sub.add_parser("export", help="write a model in another engine's layout (Kimi K3's, for vLLM, SGLang, "
+                                      "llama.cpp, mlx-lm)")
+    p.add_argument("model", help="checkpoint folder to read (Horizon or any format horizon loads)")
+    p.add_argument("out", help="folder to write")
+    p.add_argument("--format", choices=["kimi-k3"], default="kimi-k3")
+    p.add_argument("--dtype", choices=["float32", "bfloat16"], default=None,
+                   help="the trunk's dtype in the files (default: the model's; K3 ships bfloat16)")
+    p.set_defaults(func=_cmd_export)
+
+    p = sub.add_parser("inspect", help="check a checkpoint from its config and safetensors headers alone "
+                                       "(names, shapes, dtypes, quantisation) and print its counts, bytes and plan")
+    p.add_argument("folder", help="checkpoint folder")
+    p.add_argument("--json", action="store_true", help="print one JSON object")
+    p.set_defaults(func=_cmd_inspect)
 
     def parallel(p: argparse.ArgumentParser) -> None:
         p.add_argument("--tensor-parallel-size", "-tp", type=int, default=1, metavar="N",

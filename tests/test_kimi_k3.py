@@ -306,3 +306,58 @@ def test_generate_and_serve_a_k3_checkpoint(k3_dir, tmp_path):
     finally:
         proc.terminate()
         proc.wait(timeout=60)
+
+
+# --- inspect, the command line, convert --to-dsa -------------------------------------------------------------
+def test_inspect_checks_the_full_size_released_layout_from_headers_alone(tmp_path):
+    from horizon.inspect import inspect_checkpoint
+
+    from .k3_layout import write_sparse_k3
+
+    n = write_sparse_k3(tmp_path / "k3-full")  # 96 shards declaring 1.6 TB, sparse on disk
+    report = inspect_checkpoint(tmp_path / "k3-full")
+    assert (report["tensors"], report["shards"], report["format"], report["checked"]) == (n, 96, "kimi_k3", True)
+    assert round(report["plan"]["total_params"] / 1e9) == 2779 and round(report["plan"]["active_params"] / 1e8) == 1054
+    assert round(report["bytes_by_dtype"]["U8"] / 1e9) == round(
+        report["plan"]["routed_expert_bytes_mxfp4"] / 1e9)  # the packed experts and their scales, as planned
+    # a shape that differs from the config is named, without reading any data
+    index = json.loads((tmp_path / "k3-full" / "model.safetensors.index.json").read_text())["weight_map"]
+    name = "language_model.model.layers.7.self_attn.o_proj.weight"
+    path = tmp_path / "k3-full" / index[name]
+    raw = path.read_bytes()[:200_000_000]
+    assert b'"' + name.encode() + b'"' in raw
+    with open(path, "r+b") as fh:  # patch the header in place: [7168, 12288] -> [7168, 12289]
+        data = fh.read(8 + int.from_bytes(raw[:8], "little"))
+        at = data.index(name.encode())
+        at = data.index(b"[7168,12288]", at) if b"[7168,12288]" in data[at:] else data.index(b"[7168, 12288]", at)
+        fh.seek(at)
+        fh.write(data[at:at + 13].replace(b"12288", b"12289"))
+    with pytest.raises(ValueError, match=rf"tensor {name} has shape \[7168, 12289\], expected \[7168, 12288\]"):
+        inspect_checkpoint(tmp_path / "k3-full")
+
+
+def test_export_and_inspect_commands(k3_dir, tmp_path, capsys):
+    from horizon.cli import main
+
+    assert main(["export", "--format", "kimi-k3", str(k3_dir), str(tmp_path / "out")]) == 0
+    assert "in Kimi K3's layout" in capsys.readouterr().out
+    assert main(["inspect", str(tmp_path / "out"), "--json"]) == 0
+    report = json.loads(capsys.readouterr().out)
+    assert report["format"] == "kimi_k3" and report["experts"] == "mxfp4" and report["checked"]
+    bad = subprocess.run([sys.executable, "-m", "horizon.cli", "inspect", str(tmp_path)], capture_output=True,
+                         text=True)
+    assert bad.returncode == 2 and "config.json" in bad.stderr and "Traceback" not in bad.stderr
+
+
+def test_to_dsa_on_a_k3_checkpoint_keeps_its_gate_and_its_logits(k3_dir):
+    from horizon.interop.convert import to_dsa
+
+    model = horizon.load(k3_dir, dtype=torch.float32)
+    sparse = to_dsa(model, index_topk=16)
+    assert sparse.config.index_n_heads >= 8 and sparse.config.dsa_gate_full_rank and not sparse.config.dsa_gate_rank
+    assert isinstance(sparse.layers[1].mlp.experts, MXFP4Experts)
+    ids = prompt(16, seed=9)  # within index_topk: every position selected, so the same logits
+    with torch.no_grad():
+        assert (sparse(ids) - model(ids)).abs().max() < 1e-5
+        longer = prompt(40, seed=9)
+        assert not torch.allclose(sparse(longer), model(longer))  # beyond it the (untrained) indexer selects

@@ -12,6 +12,8 @@ changes where the selection keeps everything:
 - the output gate sigmoid(gate_b(gate_a(x))) starts with gate_b = 0, i.e. a gate of exactly 0.5 on
   every channel, and `wo`'s weight is doubled to compensate: (0.5 o)(2 W)^T = o W^T exactly,
   since scaling by powers of two is exact in floating point. gate_a is random so the gate can learn.
+  A Kimi K3 model's MLA layers already have their full-rank output gate: they keep it, and only the
+  indexer is added (the articles' sparse variant on top of the released model).
 
 Default sizes (`default_indexer`), scaled to the model and documented with it: DeepSeek-V3.2's
 indexer (64 heads x 128) sits on a 7168-wide model; here index heads = clamp(num_heads, 8, 64)
@@ -45,9 +47,18 @@ def to_dsa(model: HorizonForCausalLM, seed: int = 0, **sizes: int) -> HorizonFor
     `sizes` overrides entries of `default_indexer` (index_n_heads, index_head_dim, index_topk,
     index_rope_dim, dsa_gate_rank). The input model is left unchanged.
     """
+    from horizon.quant.layers import MXFP4Experts, empty_quantized_model
+
     cfg = model.config
     if not cfg.dsa_layers:
         raise ValueError("to_dsa: the model has no full-attention (dsa) layers to convert")
+    # Kimi K3's MLA layers already have their (full-rank) output gate: only the indexer is added
+    keep_gate = cfg.dsa_gate_full_rank
+    if keep_gate:
+        if sizes.get("dsa_gate_rank"):
+            raise ValueError("to_dsa: this model's MLA layers have a full-rank output gate (Kimi K3's); "
+                             "dsa_gate_rank cannot be set")
+        sizes = {**sizes, "dsa_gate_rank": 0}
     if cfg.index_n_heads or cfg.dsa_gate_rank:
         raise ValueError(f"to_dsa converts plain MLA layers, but this model already has an indexer "
                          f"(index_n_heads={cfg.index_n_heads}) or an output gate (dsa_gate_rank={cfg.dsa_gate_rank})")
@@ -55,7 +66,7 @@ def to_dsa(model: HorizonForCausalLM, seed: int = 0, **sizes: int) -> HorizonFor
     if unknown:
         raise ValueError(f"to_dsa: unknown size(s) {unknown}; allowed: {sorted(default_indexer(cfg))}")
     choice = {**default_indexer(cfg), **sizes}
-    if choice["index_n_heads"] < 1 or choice["dsa_gate_rank"] < 1:
+    if choice["index_n_heads"] < 1 or (choice["dsa_gate_rank"] < 1 and not keep_gate):
         raise ValueError(f"to_dsa: index_n_heads and dsa_gate_rank must be >= 1, got {choice}")
     extra = {**cfg.extra, "to_dsa": {"seed": seed, **choice}}
     new_cfg = cfg.replace(**choice, extra=extra)
@@ -64,6 +75,8 @@ def to_dsa(model: HorizonForCausalLM, seed: int = 0, **sizes: int) -> HorizonFor
     param = next(model.parameters())
     with torch.device("meta"):
         new = HorizonForCausalLM(new_cfg, init=False)
+        if any(isinstance(m, MXFP4Experts) for m in model.modules()):  # packed experts stay packed
+            empty_quantized_model(new)
     new = new.to(param.dtype).to_empty(device=param.device)
     missing, unexpected = new.load_state_dict(old, strict=False)
     fresh = {n for n in missing if ".indexer." in n or ".gate_a." in n or ".gate_b." in n}
@@ -90,6 +103,8 @@ def to_dsa(model: HorizonForCausalLM, seed: int = 0, **sizes: int) -> HorizonFor
         normal_(idx.weights_proj.weight, std)
         idx.k_norm.weight.fill_(1.0)
         idx.k_norm.bias.zero_()
+        if keep_gate:
+            continue
         normal_(attn.gate_a.weight, std)
         attn.gate_b.weight.zero_()  # sigmoid(0) = 0.5 on every channel ...
         attn.wo.weight.mul_(2.0)  # ... which the doubled output projection undoes exactly
