@@ -1,6 +1,8 @@
 """The `horizon` command line.
 
-    horizon plan --preset 2.8t [--context N] [--tp N] [--json]   parameters, memory and GPUs (per rank)
+    horizon plan --preset k3 [--context N] [--tp N] [--json]   parameters, memory and GPUs (per rank)
+    horizon inspect DIR [--json]                             check a checkpoint from its headers; counts and plan
+    horizon export --format kimi-k3 MODEL OUT                 a model in Kimi K3's released layout
     horizon quantize SRC DST                                 store a checkpoint's routed experts as MXFP4
     horizon convert SRC DST [--quantize mxfp4] [--to-dsa]   a Kimi-Linear / DeepSeek-V3.2 folder -> Horizon
     horizon generate [--model PATH] --prompt TEXT [--tier low|high|max]   one answer, streamed
@@ -837,10 +839,10 @@ def build_parser() -> argparse.ArgumentParser:
     sub = parser.add_subparsers(dest="command", required=True)
     p = sub.add_parser("plan", help="parameters, weight and cache memory, GPUs needed for a config")
     src = p.add_mutually_exclusive_group()
-    src.add_argument("--preset", choices=list(PRESETS), default="2.8t")
+    src.add_argument("--preset", choices=list(PRESETS), default="k3")
     src.add_argument("--config", help="a config.json (or a checkpoint folder holding one)")
     p.add_argument("--context", type=int, default=None,
-                   help="tokens of context to plan for (default: the model's window, 1,048,576 for 2.8t)")
+                   help="tokens of context to plan for (default: the model's window, 1,048,576 for k3)")
     p.add_argument("--tp", type=int, default=None, metavar="N",
                    help="also plan per rank for N tensor-parallel ranks: weights, KDA state, cache, sequences")
     p.add_argument("--enable-expert-parallel", action="store_true",

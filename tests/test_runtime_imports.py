@@ -6,7 +6,7 @@ import sys
 
 SCRIPT = r'''
 import importlib.abc, pkgutil, sys
-BLOCKED = ("transformers", "torchao", "fla", "triton")
+BLOCKED = ("transformers", "torchao", "fla", "triton", "mlx", "mlx_lm")
 GPU_ONLY = ("horizon.quant.kernels.mxfp4_triton",)  # the Triton kernel: CUDA only
 
 class Block(importlib.abc.MetaPathFinder):
@@ -33,6 +33,10 @@ qcache = qmodel.new_cache(1, 8)
 qmodel(torch.tensor([[1, 2, 3]]), cache=qcache)
 qmodel(torch.tensor([[4]]), cache=qcache)
 assert main(["plan", "--preset", "2.8t", "--json"]) == 0
+k3 = HorizonForCausalLM(ModelConfig.preset("tiny").replace(  # Kimi K3's pieces
+    hidden_act="situ", attn_res_block_size=2, kda_gate_lower_bound=-5.0, kda_gate_full_rank=True, dsa_gate_rank=0,
+    dsa_gate_full_rank=True, index_n_heads=0, moe_latent_size=32, moe_latent_norm=True, n_group=1, vision_layers=0))
+k3(torch.tensor([[1, 2, 3]]))
 loaded = sorted(m for m in sys.modules if m.split(".")[0] in BLOCKED or m in GPU_ONLY)
 assert not loaded, loaded
 print("ok")
