@@ -27,7 +27,9 @@ from __future__ import annotations
 
 import json
 import math
+import os
 import shutil
+import struct
 from collections.abc import Iterator, Mapping
 from dataclasses import dataclass
 from itertools import chain
@@ -64,8 +66,57 @@ _SAFETENSORS_DTYPE_BYTES = {"F64": 8, "F32": 4, "F16": 2, "BF16": 2, "I64": 8, "
 
 
 # --- reading tensors -------------------------------------------------------------------------------
+_SAFETENSORS_DTYPES = {"F64": torch.float64, "F32": torch.float32, "F16": torch.float16, "BF16": torch.bfloat16,
+                       "I64": torch.int64, "I32": torch.int32, "I16": torch.int16, "I8": torch.int8,
+                       "U8": torch.uint8, "BOOL": torch.bool, "F8_E4M3": torch.float8_e4m3fn,
+                       "F8_E5M2": torch.float8_e5m2}
+MAX_HEADER = 512 * 1024**2  # a safetensors header larger than this is not one
+
+
+def read_header(path: Path) -> tuple[dict[str, dict], int]:
+    """(the tensor entries of a safetensors file's JSON header {name: {dtype, shape, data_offsets}}, where the
+    data starts), read without mapping the file; ValueError if it is unreadable or shorter than it declares."""
+    try:
+        with open(path, "rb") as fh:
+            head = fh.read(8)
+            if len(head) < 8:
+                raise ValueError(f"{path}: not a readable safetensors file (truncated or corrupt?): shorter than "
+                                 f"its 8-byte header length")
+            (n,) = struct.unpack("<Q", head)
+            if n > MAX_HEADER:
+                raise ValueError(f"{path}: not a readable safetensors file (truncated or corrupt?): header "
+                                 f"length {n}")
+            header = json.loads(fh.read(n))
+    except (OSError, json.JSONDecodeError, UnicodeDecodeError) as e:
+        raise ValueError(f"{path}: not a readable safetensors file (truncated or corrupt?): {e}") from None
+    if not isinstance(header, dict):
+        raise ValueError(f"{path}: not a readable safetensors file: its header is not a JSON object")
+    header.pop("__metadata__", None)
+    end = 0
+    for name, entry in header.items():
+        try:
+            a, b = entry["data_offsets"]
+            ok = entry["dtype"] in _SAFETENSORS_DTYPES and isinstance(entry["shape"], list) and 0 <= a <= b
+        except (KeyError, TypeError, ValueError):
+            ok = False
+        if not ok:
+            raise ValueError(f"{path}: tensor {name}: a header entry safetensors does not define: {entry!r}")
+        end = max(end, b)
+    size = path.stat().st_size
+    if size < 8 + n + end:
+        raise ValueError(f"{path}: truncated: {size} bytes, its header declares {8 + n + end}")
+    return header, 8 + n
+
+
 class TensorStore:
-    """The tensors of a checkpoint folder (one file or an index of shards), read lazily by name."""
+    """The tensors of a checkpoint folder (one file or an index of shards), read lazily by name.
+
+    The headers are read at once (names, shapes, dtypes; a truncated shard is refused before anything
+    loads). A whole tensor is read with one positioned read into a fresh tensor, not through a memory
+    map, so a loader holds no mapped shard pages: its peak memory is the model plus the tensor in flight
+    (bench/k3_load_memory.py). A slice (a tensor-parallel rank's part) is read through safetensors'
+    mapped slices, which touch only its bytes.
+    """
 
     def __init__(self, folder: str | Path):
         self.folder = Path(folder)
@@ -82,24 +133,22 @@ class TensorStore:
                 raise ValueError(f"{self.folder}: no {WEIGHTS} (or sharded *.safetensors with {INDEX}) found")
             weight_map = None
         self.file_of: dict[str, str] = {}
-        self._handles: dict[str, Any] = {}
+        self._entry: dict[str, dict] = {}
+        self._data_start: dict[str, int] = {}
+        self._handles: dict[str, Any] = {}  # safetensors handles, opened for slice reads only
         for name in files:
             path = self.folder / name
             if not path.exists():
                 needed = [t for t, f in (weight_map or {}).items() if f == name]
                 raise ValueError(f"{path}: shard listed in {INDEX} is missing "
                                  f"({len(needed)} tensors, e.g. {needed[:3]})")
-            try:
-                handle = safe_open(str(path), framework="pt")
-            except (SafetensorError, OSError) as e:
-                raise ValueError(f"{path}: not a readable safetensors file (truncated or corrupt?): {e}") from None
-            except RuntimeError as e:  # the file could not be memory-mapped (address space or overcommit limits)
-                raise ValueError(f"{path}: cannot map the shard into memory: {e}") from None
-            self._handles[name] = handle
-            for key in handle.keys():
+            header, start = read_header(path)
+            self._data_start[name] = start
+            for key, entry in header.items():
                 if key in self.file_of:
                     raise ValueError(f"{path}: tensor {key} is also in {self.file_of[key]}")
                 self.file_of[key] = name
+                self._entry[key] = entry
         if weight_map is not None:
             for key, name in weight_map.items():
                 if self.file_of.get(key) != name:
@@ -113,19 +162,49 @@ class TensorStore:
         return self.folder / self.file_of[name]
 
     def shape(self, name: str) -> tuple[int, ...]:
-        return tuple(self._handles[self.file_of[name]].get_slice(name).get_shape())
+        return tuple(self._entry[name]["shape"])
+
+    def dtype(self, name: str) -> str:
+        """The stored dtype's safetensors code (F32, BF16, U8, ...)."""
+        return self._entry[name]["dtype"]
 
     def nbytes(self, name: str) -> int:
-        """Bytes of one tensor's data, read from the header (for progress bars)."""
-        sl = self._handles[self.file_of[name]].get_slice(name)
-        return math.prod(sl.get_shape()) * _SAFETENSORS_DTYPE_BYTES.get(sl.get_dtype(), 4)
+        """Bytes of one tensor's data, from the header."""
+        a, b = self._entry[name]["data_offsets"]
+        return b - a
 
     def get(self, name: str, split=None, layout: Layout | None = None) -> torch.Tensor:
         """The tensor; with a split (horizon.parallel.shard), only this rank's part of it is read."""
+        if split is not None:
+            return read_shard(self._slice(name), self.shape(name), split, layout)
+        entry, path = self._entry[name], self.path_of(name)
+        dtype, shape = _SAFETENSORS_DTYPES[entry["dtype"]], self.shape(name)
+        a, b = entry["data_offsets"]
+        if (b - a) != math.prod(shape) * torch.empty((), dtype=dtype).element_size():
+            raise ValueError(f"{path}: tensor {name}: {b - a} bytes for shape {list(shape)} of {entry['dtype']}")
+        out = torch.empty(b - a, dtype=torch.uint8)
+        view = memoryview(out.numpy())
+        with open(path, "rb", buffering=0) as fh:
+            done = 0
+            while done < len(view):  # one positioned read; the loop only for reads the kernel returns short
+                got = os.preadv(fh.fileno(), [view[done:]], self._data_start[self.file_of[name]] + a + done)
+                if got <= 0:
+                    raise ValueError(f"{path}: cannot read tensor {name} (truncated file?)")
+                done += got
+        return out.view(dtype).reshape(shape)
+
+    def _slice(self, name: str):
+        file = self.file_of[name]
+        if file not in self._handles:
+            path = self.folder / file
+            try:
+                self._handles[file] = safe_open(str(path), framework="pt")
+            except (SafetensorError, OSError) as e:
+                raise ValueError(f"{path}: not a readable safetensors file (truncated or corrupt?): {e}") from None
+            except RuntimeError as e:  # the file could not be memory-mapped (address space or overcommit limits)
+                raise ValueError(f"{path}: cannot map the shard into memory: {e}") from None
         try:
-            if split is None:
-                return self._handles[self.file_of[name]].get_tensor(name)
-            return read_shard(self._handles[self.file_of[name]].get_slice(name), self.shape(name), split, layout)
+            return self._handles[file].get_slice(name)
         except SafetensorError as e:
             raise ValueError(f"{self.path_of(name)}: cannot read tensor {name} (truncated file?): {e}") from None
 

@@ -12,85 +12,20 @@ tensor; for the other imported families the translation and the plan are shown, 
 
 from __future__ import annotations
 
-import json
-import math
-import struct
 from collections import Counter
 from pathlib import Path
 from typing import Any
 
-from horizon.checkpoint import _SAFETENSORS_DTYPE_BYTES, INDEX, read_config
+from horizon.checkpoint import TensorStore, read_config
 
 FLOATS = {"F32", "F16", "BF16", "F64"}
-MAX_HEADER = 512 * 1024**2  # a safetensors header larger than this is not one
 
 
-def read_header(path: Path) -> dict[str, dict]:
-    """The tensor entries of a safetensors file's JSON header ({name: {dtype, shape, data_offsets}}), read
-    without mapping the file; ValueError if the header is unreadable or the file shorter than it declares."""
-    try:
-        with open(path, "rb") as fh:
-            head = fh.read(8)
-            if len(head) < 8:
-                raise ValueError(f"{path}: not a safetensors file (shorter than its 8-byte header length)")
-            (n,) = struct.unpack("<Q", head)
-            if n > MAX_HEADER:
-                raise ValueError(f"{path}: not a safetensors file (header length {n})")
-            header = json.loads(fh.read(n))
-    except (OSError, json.JSONDecodeError, UnicodeDecodeError) as e:
-        raise ValueError(f"{path}: unreadable safetensors header: {e}") from None
-    header.pop("__metadata__", None)
-    end = max((v["data_offsets"][1] for v in header.values()), default=0)
-    if path.stat().st_size < 8 + n + end:
-        raise ValueError(f"{path}: truncated: {path.stat().st_size} bytes, its header declares {8 + n + end}")
-    return header
+def _stored(store: TensorStore, name: str) -> tuple[tuple[int, ...], str]:
+    return store.shape(name), store.dtype(name)
 
 
-class HeaderStore:
-    """What TensorStore tells of a folder's tensors (names, files, shapes, dtypes), from the headers alone."""
-
-    def __init__(self, folder: Path):
-        self.folder = folder
-        index = folder / INDEX
-        if index.exists():
-            weight_map = json.loads(index.read_text()).get("weight_map")
-            if not isinstance(weight_map, dict) or not weight_map:
-                raise ValueError(f"{index}: no 'weight_map' object mapping tensor names to shard files")
-            files = sorted(set(weight_map.values()))
-        else:
-            files, weight_map = sorted(p.name for p in folder.glob("*.safetensors")), None
-            if not files:
-                raise ValueError(f"{folder}: no model.safetensors (or sharded *.safetensors with {INDEX}) found")
-        self.file_of: dict[str, str] = {}
-        self.entry: dict[str, dict] = {}
-        for file in files:
-            path = folder / file
-            if not path.exists():
-                raise ValueError(f"{path}: shard listed in {INDEX} is missing")
-            for name, entry in read_header(path).items():
-                if name in self.file_of:
-                    raise ValueError(f"{path}: tensor {name} is also in {self.file_of[name]}")
-                self.file_of[name], self.entry[name] = file, entry
-        for name, file in (weight_map or {}).items():
-            if self.file_of.get(name) != file:
-                raise ValueError(f"{folder / file}: {INDEX} lists tensor {name} in this shard, "
-                                 f"but the shard does not hold it")
-
-    def names(self) -> list[str]:
-        return list(self.file_of)
-
-    def path_of(self, name: str) -> Path:
-        return self.folder / self.file_of[name]
-
-    def shape(self, name: str) -> tuple[int, ...]:
-        return tuple(self.entry[name]["shape"])
-
-
-def _stored(store: HeaderStore, name: str) -> tuple[tuple[int, ...], str]:
-    return store.shape(name), store.entry[name]["dtype"]
-
-
-def _k3_expected(config, store: HeaderStore) -> dict[str, tuple[tuple[int, ...], set[str]]]:
+def _k3_expected(config, store: TensorStore) -> dict[str, tuple[tuple[int, ...], set[str]]]:
     from horizon.interop import kimi_k3
     from horizon.quant.mxfp4 import BLOCK
 
@@ -140,7 +75,7 @@ def inspect_checkpoint(folder: str | Path) -> dict[str, Any]:
 
     folder = Path(folder)
     config, method, family = read_config(folder)
-    store = HeaderStore(folder)
+    store = TensorStore(folder)  # headers only: no tensor is read, no shard mapped
     names = store.names()
     kind = "horizon" if family is None else family.FAMILY
     expected = None
@@ -151,8 +86,7 @@ def inspect_checkpoint(folder: str | Path) -> dict[str, Any]:
     problems: list[str] = []
     by_dtype: Counter[str] = Counter()
     for name in names:
-        shape, dtype = _stored(store, name)
-        by_dtype[dtype] += math.prod(shape) * _SAFETENSORS_DTYPE_BYTES.get(dtype, 4)
+        by_dtype[store.dtype(name)] += store.nbytes(name)
     if expected is not None:
         skippable = ("vision_tower.", "mm_projector.")
         for name, (shape, dtypes) in expected.items():
