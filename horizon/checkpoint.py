@@ -582,10 +582,13 @@ def load(path: str | Path, dtype: torch.dtype | None = None, device="cpu", check
     else:
         store = TensorStore(path)
         model = build_model(config, dtype, device, quantization=method, layout=layout)
-        tensors = family.convert_tensors(store, config)
-        if layout is not None:
-            splits = model_splits(model, layout)
-            tensors = _sharded(tensors, splits, layout, config.n_routed_experts // layout.tp)
+        splits = model_splits(model, layout) if layout is not None else {}
+        if getattr(family, "READS_RANK_PARTS", False):  # it reads only this rank's slices itself (Kimi K3)
+            tensors = family.convert_tensors(store, config, layout=layout, splits=splits)
+        else:
+            tensors = family.convert_tensors(store, config)
+            if layout is not None:
+                tensors = _sharded(tensors, splits, layout)
         fill_model(model, tensors)
     if model.config.tie_word_embeddings:
         model.lm_head.weight = model.embed.weight
@@ -595,38 +598,10 @@ def load(path: str | Path, dtype: torch.dtype | None = None, device="cpu", check
     return model.eval()
 
 
-def _sharded(tensors, splits, layout: Layout, per_rank: int):
-    """A family's converted tensors cut to this rank's part. An indexed part (one expert of a stack) is cut
-    along the stack's split: whole experts under expert parallelism (another rank's are dropped), each
-    expert's rows or columns otherwise. per_rank: experts a rank holds under expert parallelism."""
-    for name, tensor, source, *index in tensors:
-        split = splits.get(name)
-        if split is None:
-            yield (name, tensor, source, *index)
-        elif not index:
-            yield name, shard_tensor(tensor, split, layout), source
-        else:
-            yield from _sharded_part(name, tensor, source, index[0], split, layout, per_rank)
-
-
-def _sharded_part(name, tensor, source, index, split, layout: Layout, per_rank: int):
-    """This rank's share of part `index` = (expert e, a slice of rows) of a stacked tensor split by `split`."""
-    from horizon.parallel.shard import Split
-
-    e, rows = index
-    if split.dim == 0:  # expert parallelism: whole experts; this rank keeps its own, renumbered from 0
-        if layout.rank * per_rank <= e < (layout.rank + 1) * per_rank:
-            yield name, tensor, source, (e - layout.rank * per_rank, rows)
-        return
-    if split.dim == 1:  # rows in `pieces` segments (gate | up): this part is one whole segment
-        n = rows.stop - rows.start
-        part = n // layout.tp
-        piece = rows.start // n
-        local = slice(piece * part, (piece + 1) * part)
-        yield name, tensor[layout.rank * part:(layout.rank + 1) * part], source, (e, local)
-        return
-    # a later dim (the columns of down_proj): the part is cut like the stack, its rows whole
-    yield name, shard_tensor(tensor, Split(split.dim - 1, split.pieces), layout), source, index
+def _sharded(tensors, splits, layout: Layout):
+    """A family's converted tensors (read whole) cut to this rank's part."""
+    for name, tensor, source in tensors:
+        yield name, shard_tensor(tensor, splits[name], layout) if name in splits else tensor, source
 
 
 # --- a model ready to serve ----------------------------------------------------------------------------

@@ -24,7 +24,7 @@ from horizon.model.options import ForwardOptions
 from horizon.parallel import all_reduce, init_group, leave_group
 from horizon.parallel.shard import Layout, gather_state_dict, shard_model
 from horizon.quant import quantize_model
-from tests.conftest import tiny
+from tests.conftest import K3_PIECES, tiny
 
 TOL = 1e-4
 
@@ -111,6 +111,28 @@ def model_checks(rank, results):
     results["selections_identical"] = 0.0 if everyone[0] == everyone[1] and picks and picks[-1] else float("inf")
 
 
+def k3_checks(rank, results):
+    """A K3-shaped model sharded both ways, fp32 and with MXFP4 experts, through chunked prefill and cached
+    decode against one process."""
+    full = _model(**K3_PIECES)
+    for ep in (False, True):
+        for name, ref in (("fp32", full), ("mxfp4", quantize_model(copy.deepcopy(full)))):
+            part = shard_model(copy.deepcopy(ref), Layout(2, rank, ep))
+            torch.manual_seed(3)
+            ids = torch.randint(0, full.config.vocab_size, (2, 24))
+            caches = [m.new_cache(2, 40) for m in (ref, part)]
+            worst = 0.0
+            with torch.no_grad():
+                for lo, hi in ((0, 10), (10, 24)):
+                    worst = max(worst, _err(part(ids[:, lo:hi], cache=caches[1]), ref(ids[:, lo:hi], cache=caches[0])))
+                nxt = torch.tensor([[5], [7]])
+                for _ in range(4):
+                    a, b = ref(nxt, cache=caches[0]), part(nxt, cache=caches[1])
+                    worst = max(worst, _err(b, a))
+                    nxt = a[:, -1].argmax(-1, keepdim=True)
+            results[f"k3_{name}_{'ep' if ep else 'tp'}"] = worst
+
+
 ENGINE = EngineConfig(max_num_seqs=4, max_batch_tokens=32, max_model_len=512)  # small chunks: mixed steps
 
 
@@ -158,6 +180,7 @@ def main():
     try:
         module_checks(group.rank, results)
         model_checks(group.rank, results)
+        k3_checks(group.rank, results)
         engine_checks(group.rank, results)
     except Exception:  # noqa: BLE001 - reported to the parent, which fails the test with it
         error = traceback.format_exc()

@@ -23,6 +23,13 @@ def rows_matmul_calls(fn) -> tuple[object, int]:
     return out, sum(e.count for e in prof.key_averages() if e.key == "horizon_kernels::rows_matmul")
 
 
+# Kimi K3's pieces on tiny's shapes: attention residuals, SiTU, K3's KDA decay and full-rank gates, plain gated
+# MLA (no indexer), a latent MoE without routing groups; experts 64 wide (two MXFP4 blocks: TP=2 splits them)
+K3_PIECES = dict(hidden_act="situ", attn_res_block_size=2, kda_gate_lower_bound=-5.0, kda_gate_full_rank=True,
+                 dsa_gate_rank=0, dsa_gate_full_rank=True, index_n_heads=0, moe_latent_size=32, moe_latent_norm=True,
+                 n_group=1, topk_group=1, moe_intermediate_size=64, vision_layers=0)
+
+
 def tiny(**changes) -> ModelConfig:
     return ModelConfig.preset("tiny").replace(**changes)
 

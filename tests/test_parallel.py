@@ -49,7 +49,7 @@ def rank_results(tmp_path_factory):
 
 PARITY = ["kda", "dsa_dense_expanded", "dsa_sparse_expanded", "dsa_dense_absorbed", "dsa_sparse_absorbed",
           "dense_mlp", "moe_tp", "moe_ep", "moe_tp_mxfp4", "moe_ep_mxfp4", "kda_mxfp4_attention_tp",
-          "kda_mxfp4_attention_ep", "model_logits"]
+          "kda_mxfp4_attention_ep", "model_logits", "k3_fp32_tp", "k3_fp32_ep", "k3_mxfp4_tp", "k3_mxfp4_ep"]
 EXACT = ["round_trip_fp32_tp", "round_trip_fp32_ep", "round_trip_mxfp4_tp", "round_trip_mxfp4_ep", "model_argmax",
          "selections_identical"]
 
@@ -92,6 +92,21 @@ def test_sliced_checkpoint_read_equals_sharding_the_full_model():
         splits = model_splits(part, layout)
         assert splits and all(got[k].numel() * 2 == full.state_dict()[k].numel() for k in splits
                               if not k.endswith("bias"))
+
+
+@pytest.mark.parametrize("ep", [False, True])
+def test_a_k3_checkpoint_read_for_a_rank_equals_sharding_the_loaded_model(tmp_path, ep):
+    """Kimi K3's layout read for one rank (experts placed part by part: whole experts under expert
+    parallelism, each expert's slice otherwise) equals cutting the fully loaded model."""
+    from tests.k3_layout import write_k3
+
+    write_k3(tmp_path / "k3", seed=1, moe_intermediate_size=64)  # two MXFP4 blocks a row: TP=2 can split them
+    for rank in (0, 1):
+        layout = Layout(2, rank, ep=ep)
+        got = load(tmp_path / "k3", layout=layout).state_dict()
+        want = shard_model(load(tmp_path / "k3"), layout).state_dict()
+        assert got.keys() == want.keys()
+        assert all(torch.equal(got[k], want[k]) for k in want), [k for k in want if not torch.equal(got[k], want[k])]
 
 
 def test_sizes_that_do_not_divide_are_refused_before_loading():

@@ -13,7 +13,7 @@ from horizon.cli import main
 from horizon.tasks import make_split
 from horizon.train import Mixture, TrainConfig, Trainer, collate, read_jsonl, render_chat, task_example
 
-from .conftest import tiny_model
+from .conftest import K3_PIECES, tiny_model
 
 TOK = load_tokenizer()
 
@@ -48,8 +48,9 @@ def test_schedule_warms_up_then_decays_to_the_floor():
         TrainConfig(stage="nope").validate()
 
 
-def test_a_user_jsonl_fine_tune_learns_it(tmp_path):
-    model = tiny_model()
+@pytest.mark.parametrize("arch", ["tiny", "k3"])
+def test_a_user_jsonl_fine_tune_learns_it(tmp_path, arch):
+    model = tiny_model(**(K3_PIECES if arch == "k3" else {}))  # k3: gradients through K3's pieces
     data = read_jsonl(write_jsonl(tmp_path / "chats.jsonl", chats()), TOK, model.config)
     config = TrainConfig(steps=40, batch_size=4, lr=1e-2, warmup_steps=4, save_every=40, max_len=128)
     log = Trainer(model, TOK, Mixture({"data": data}), config, tmp_path / "run").train(progress=False)

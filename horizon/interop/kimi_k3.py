@@ -50,6 +50,7 @@ import torch
 from horizon.config import DTYPES, ModelConfig
 from horizon.interop.common import RawConfig, Source, build_config, finish, mla_fields, mlp_pattern, moe_fields
 from horizon.interop.kimi_linear import _layer_types
+from horizon.parallel.shard import Split
 from horizon.quant.mxfp4 import BLOCK, BLOCK_BYTES
 
 log = logging.getLogger("horizon.interop")
@@ -329,40 +330,72 @@ def _expert_cols(cfg: ModelConfig, ours: str) -> int:
 
 
 # --- import ----------------------------------------------------------------------------------------------
-def convert_tensors(store, config: ModelConfig) -> Iterator[tuple]:
+READS_RANK_PARTS = True  # convert_tensors reads a tensor / expert-parallel rank's slices itself
+
+
+def convert_tensors(store, config: ModelConfig, layout=None, splits=None) -> Iterator[tuple]:
     """Horizon tensors from a K3 folder: (name, tensor, source file) triples, and (name, tensor, source, index)
-    for the routed experts, which go into their stacked tensors one expert at a time (packed bytes as they are)."""
+    for the routed experts, which go into their stacked tensors one expert at a time (packed bytes as they are).
+    With a layout (horizon.parallel.shard) and the model's `splits`, only this rank's part of each tensor is
+    read: its slice of every split tensor, its own experts under expert parallelism."""
     src = Source(store, config.torch_dtype)
     names = store.names()
     prefix = PREFIX if any(n.startswith(PREFIX) for n in names) else ""
     packed = config.extra.get("experts") == "mxfp4"
     H = config.kda_num_heads
+    splits = splits or {}
     conv_parts: dict[str, list[torch.Tensor]] = {}
     for theirs, ours, how, shape in tensor_table(config):
         name = prefix + theirs
-        tensor = _a_log(src, name, H) if how == "a_log" else src.get(name, shape)
+        split = splits.get(ours)
+        if how == "a_log":
+            tensor = _a_log(src, name, H)
+            tensor = tensor if split is None else _cut(tensor, split, layout)
+        elif how.startswith("conv"):  # conv_weight is Split(0, 3): each of K3's three parts is cut along its rows
+            tensor = _read(src, name, shape, None if split is None else Split(0), layout)
+        else:
+            tensor = _read(src, name, shape, split, layout)
         if not tensor.is_floating_point():
             raise ValueError(f"{src.file(name)}: tensor {name} has dtype {tensor.dtype}, expected a float tensor")
         if how.startswith("conv"):
             parts = conv_parts.setdefault(ours, [])
-            parts.append(tensor.reshape(shape[0], shape[2]))
+            parts.append(tensor.reshape(tensor.shape[0], shape[2]))
             if len(parts) == 3:
                 yield ours, torch.cat(parts), src.file(name)
             continue
         yield ours, tensor, src.file(name)
     for i in range(config.num_layers):
         if config.is_moe_layer(i):
-            yield from _experts(src, config, i, prefix, packed)
-    vision = [n for n in names if n.startswith(VISION_PREFIXES)]
-    if vision:
-        log.info("text only: skipped %d vision tensor(s) (%s...)", len(vision), vision[0])
-        src.used.update(vision)
+            yield from _experts(src, config, i, prefix, packed, layout, splits)
+    skipped = [n for n in names if n.startswith(VISION_PREFIXES)]
+    if skipped:
+        log.info("text only: skipped %d vision tensor(s) (%s...)", len(skipped), skipped[0])
     if prefix:  # finish() knows the unprefixed names (multi-token-prediction layers and the like)
-        src.used.update(n for n in names if n.startswith(PREFIX) and _skippable(src, n[len(PREFIX):], config))
+        skipped += [n for n in names if n.startswith(PREFIX) and _skippable(n[len(PREFIX):], config)]
+    if layout is not None and layout.ep:  # other ranks' experts: theirs to read
+        skipped += [n for n in names if ".experts." in n and n not in src.used]
+    src.used.update(skipped)
     finish(src, config)
 
 
-def _skippable(src: Source, name: str, cfg: ModelConfig) -> bool:
+def _cut(tensor: torch.Tensor, split, layout) -> torch.Tensor:
+    from horizon.parallel.shard import shard_tensor
+
+    return shard_tensor(tensor, split, layout)
+
+
+def _read(src: Source, name: str, shape: tuple[int, ...], split, layout) -> torch.Tensor:
+    """The tensor (shape checked against the full shape), or only this rank's slice of it."""
+    if split is None:
+        return src.get(name, shape)
+    if not src.has(name):
+        src.get(name)  # the missing-tensor error
+    src.check_shape(name, shape)
+    src.used.add(name)
+    return src.store.get(name, split, layout)
+
+
+def _skippable(name: str, cfg: ModelConfig) -> bool:
     from horizon.interop.common import layer_index
 
     i = layer_index(name)
@@ -378,23 +411,34 @@ def _a_log(src: Source, name: str, H: int) -> torch.Tensor:
     return stored[:H]
 
 
-def _experts(src: Source, cfg: ModelConfig, i: int, prefix: str, packed: bool) -> Iterator[tuple]:
+def _experts(src: Source, cfg: ModelConfig, i: int, prefix: str, packed: bool, layout, splits) -> Iterator[tuple]:
+    """Layer i's routed experts, expert by expert. Under expert parallelism a rank reads its own experts (index
+    renumbered from 0); under tensor parallelism each expert's slice: its rows of w1 / w3, its columns of w2."""
+    E = cfg.n_routed_experts
+    own = range(E) if layout is None or not layout.ep else range(layout.rank * E // layout.tp,
+                                                                   (layout.rank + 1) * E // layout.tp)
+    cut = layout is not None and not layout.ep and any(f"layers.{i}.mlp.experts." in k for k in splits)
     for stem, ours, e, row, rows in expert_table(cfg, i):
+        if e not in own:
+            continue
         cols = _expert_cols(cfg, ours)
         name = prefix + stem
+        # under TP: w1 / w3 keep rows [r f/tp, (r+1) f/tp) (their place: row / tp), w2 its columns likewise
+        part = (Split(0) if ours.endswith("gate_up_proj") else Split(1)) if cut else None
+        lrow, lrows = (row // layout.tp, rows // layout.tp) if cut and ours.endswith("gate_up_proj") else (row, rows)
+        index = (e - own.start, slice(lrow, lrow + lrows))
         if not packed:
-            tensor = src.get(name + ".weight", (rows, cols))
-            yield ours, tensor, src.file(name + ".weight"), (e, slice(row, row + rows))
+            tensor = _read(src, name + ".weight", (rows, cols), part, layout)
+            yield ours, tensor, src.file(name + ".weight"), index
             continue
         nb = cols // BLOCK
-        blocks = src.get(name + ".weight_packed", (rows, cols // 2))
-        scales = src.get(name + ".weight_scale", (rows, nb))
+        blocks = _read(src, name + ".weight_packed", (rows, cols // 2), part, layout)
+        scales = _read(src, name + ".weight_scale", (rows, nb), part, layout)
         for t, n in ((blocks, ".weight_packed"), (scales, ".weight_scale")):
             if t.dtype != torch.uint8:
                 raise ValueError(f"{src.file(name + n)}: tensor {name + n} has dtype {t.dtype}, expected "
                                  f"uint8 (compressed-tensors MXFP4)")
-        index = (e, slice(row, row + rows))
-        yield ours + "_blocks", blocks.view(rows, nb, BLOCK_BYTES), src.file(name + ".weight_packed"), index
+        yield ours + "_blocks", blocks.view(blocks.shape[0], -1, BLOCK_BYTES), src.file(name + ".weight_packed"), index
         yield ours + "_scales", scales, src.file(name + ".weight_scale"), index
 
 
