@@ -96,14 +96,20 @@ def _cmd_convert(args: argparse.Namespace) -> int:
 
 
 def _cmd_export(args: argparse.Namespace) -> int:
+    import shutil
+    from pathlib import Path
+
     import torch
 
-    from horizon.checkpoint import load
+    from horizon.checkpoint import TOKENIZER, load
     from horizon.interop import kimi_k3
 
     model = load(args.model)
     dtype = getattr(torch, args.dtype) if args.dtype else None
+    tokenizer = Path(args.model) / TOKENIZER  # the model's own tokenizer travels with it
     kimi_k3.export(model, args.out, dtype=dtype)
+    if tokenizer.is_file():
+        shutil.copyfile(tokenizer, Path(args.out) / TOKENIZER)
     print(f"wrote {args.out} in Kimi K3's layout ({model.num_parameters():,} parameters; "
           f"routed experts as compressed-tensors MXFP4)")
     return 0

@@ -28,9 +28,10 @@ from horizon.quant.layers import MXFP4Experts, quantize_model
 from horizon.tasks import make_split
 from horizon.train import Mixture, TrainConfig, Trainer, collate, render_chat, task_example
 from horizon.train.rl import RLConfig, RLTrainer
-from tests.conftest import tiny_model
+from tests.conftest import K3_PIECES, tiny_model
 
 TOK = load_tokenizer()
+K3_FSDP = dict(K3_PIECES, vision_layers=2)  # the examples hold images: tiny's vision encoder kept
 FP64_GRAD_TOL = 1e-10  # 2 ranks vs one process over the same row groups, float64: only the sum's order differs
 FP32_GRAD_TOL = 1e-5  # 2 ranks vs one process on the whole batch, fp32 (batch shapes change matmul rounding)
 # parameters after a few AdamW steps, per tensor: ||two ranks - one process|| / ||one process - start||. AdamW
@@ -155,6 +156,11 @@ def references(out: Path) -> dict:
     ex = examples(model.config)
     ce_over_row_groups(model, global_batch(ex), [[0, 2], [1, 3]])
     ref["grads_fp64"] = grads(model)
+    # Kimi K3's pieces (attention residuals: each block reads the bank of earlier blocks' states, which FSDP
+    # must see as the block's inputs; SiTU, the latent MoE, K3's KDA, full-rank gates)
+    model = tiny_model(seed=1, **K3_FSDP).double().train()
+    ce_over_row_groups(model, global_batch(ex), [[0, 2], [1, 3]])
+    ref["grads_fp64_k3"] = grads(model)
     model = tiny_model(seed=1).train()
     ce_over_row_groups(model, global_batch(ex), [[0, 1, 2, 3]])
     ref["grads_fp32"] = grads(model)
@@ -210,6 +216,11 @@ def sharded_checks(rank: int, ref: dict, out: Path, results: dict) -> None:
     loss, _ = t.loss(t.rank_batch(global_batch(ex)))
     loss.backward()
     results["grads_fp64_same_rows"] = worst_rel(grads(model), ref["grads_fp64"])
+    model = shard_for_training(tiny_model(seed=1, **K3_FSDP).double())
+    t = trainer(model, ex, out / "fp64-k3")
+    loss, _ = t.loss(t.rank_batch(global_batch(ex)))
+    loss.backward()
+    results["grads_fp64_same_rows_k3"] = worst_rel(grads(model), ref["grads_fp64_k3"])
     # fp32 against one process on the whole batch
     model = shard_for_training(tiny_model(seed=1))
     t = trainer(model, ex, out / "fp32")

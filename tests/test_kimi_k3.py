@@ -363,23 +363,29 @@ def test_to_dsa_on_a_k3_checkpoint_keeps_its_gate_and_its_logits(k3_dir):
         assert not torch.allclose(sparse(longer), model(longer))  # beyond it the (untrained) indexer selects
 
 
-def test_the_compiled_decode_step_runs_k3_without_graph_breaks_and_matches_eager(k3_dir):
-    """The runner's decode step compiles a K3 model (attention residuals, latent MXFP4 experts, K3's KDA) as one
-    graph (fullgraph: a break would raise) and gives the eager step's logits."""
+@pytest.mark.parametrize("which", ["checkpoint", "six-layers"])
+def test_the_compiled_decode_step_runs_k3_without_graph_breaks_and_matches_eager(k3_dir, which):
+    """The runner's decode step compiles a K3 model (attention residuals, latent experts, K3's KDA) as one graph
+    (fullgraph: a break would raise) and gives the eager step's logits: the K3 checkpoint (MXFP4 experts, two
+    sequences), and tiny's six layers with K3's pieces at one sequence, where the mix over a stacked
+    [sources, N, d] tensor came out wrong from inductor's small-matmul decomposition (attn_res.py)."""
     from horizon.engine.runner import ModelRunner, StepInputs
     from horizon.model import HorizonCache
 
-    model = horizon.load(k3_dir, dtype=torch.float32)
+    from .conftest import K3_PIECES, tiny_model
+
+    model = horizon.load(k3_dir, dtype=torch.float32) if which == "checkpoint" else tiny_model(**K3_PIECES)
+    n = 2 if which == "checkpoint" else 1
     runners = [ModelRunner(model, HorizonCache(model.config, 2, 96, dtype=torch.float32, block_size=16),
-                           compile=c, buckets=(2,)) for c in (True, False)]
-    ps = [prompt(9, seed=10)[0].tolist(), prompt(14, seed=11)[0].tolist()]
+                           compile=c, buckets=(n,)) for c in (True, False)]
+    ps = [prompt(9, seed=10)[0].tolist(), prompt(14, seed=11)[0].tolist()][:n]
     for r in runners:
         for slot, p in enumerate(ps):
             r.cache.reset([slot])
             r.run(StepInputs([p], [0], [slot]))
     pos, nxt = [len(p) for p in ps], [[p[-1]] for p in ps]
     for _ in range(5):
-        step = StepInputs(nxt, list(pos), [0, 1])
+        step = StepInputs(nxt, list(pos), list(range(n)))
         a, b = (r.run(step) for r in runners)
         assert (a - b).abs().max() <= 1e-5 * max(1.0, float(b.abs().max()))
         nxt, pos = [[int(t)] for t in b.argmax(-1)], [x + 1 for x in pos]

@@ -467,12 +467,10 @@ def export(model, out: str | Path, dtype: torch.dtype | None = None, max_shard_b
         _save_tokenizer(out, tokenizer)
 
     def tensors() -> Iterator[tuple[str, torch.Tensor]]:
-        conv_seen: dict[str, int] = {}
         for theirs, ours, how, shape in tensor_table(cfg):
             t = state[ours]
-            if how.startswith("conv"):
+            if how.startswith("conv"):  # K3's q / k / v third of conv_weight
                 j = int(how[-1])
-                conv_seen[ours] = j
                 P = shape[0]
                 t = t[j * P:(j + 1) * P].reshape(shape)
             yield PREFIX + theirs, t.to(torch.float32 if how in ("f32", "a_log") or how.startswith("conv")

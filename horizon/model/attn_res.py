@@ -31,10 +31,16 @@ def attn_res_mix(bank: list[torch.Tensor], partial: torch.Tensor, norm_weight: t
     if not bank:
         return partial
     w = norm_weight.float() * proj_weight.float()
-    sources = torch.stack([*bank, partial]).float()  # [S + 1, N, d]
-    logits = (sources @ w) * torch.rsqrt(sources.pow(2).mean(-1) + eps)  # [S + 1, N]
+    # source by source, not over one stacked [S + 1, N, d] tensor: compiled with the decode runner's inductor
+    # options (decompose_mm_pass with a raised size limit) the stacked form gave wrong logits (0.2-0.4 off at
+    # batch 1 on tiny's six layers, torch 2.13); this form compiles right and is the same arithmetic
+    sources = [v.float() for v in (*bank, partial)]
+    logits = torch.stack([(v * w).sum(-1) * torch.rsqrt(v.pow(2).mean(-1) + eps) for v in sources])  # [S + 1, N]
     p = torch.softmax(logits, dim=0)
-    return (p[..., None] * sources).sum(0).to(partial.dtype)
+    out = p[0, :, None] * sources[0]
+    for i in range(1, len(sources)):
+        out = out + p[i, :, None] * sources[i]
+    return out.to(partial.dtype)
 
 
 class DepthMix(nn.Module):

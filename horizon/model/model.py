@@ -60,16 +60,17 @@ class Block(nn.Module):
 
     def forward(self, h: torch.Tensor, batch: Batch, cache: HorizonCache | None,
                 options: ForwardOptions | None = None, bank: list[torch.Tensor] | None = None) -> torch.Tensor:
-        """The layer on h [N, d]. bank: the attention residuals' banked block states (appended to at a
-        block's start), None for the plain residual stream; then h is the partial sum and so is the result."""
+        """The layer on h [N, d]. bank: the attention residuals' banked block states, None for the plain
+        residual stream; then h is the partial sum and so is the result. At a block's start the caller has
+        banked h already (bank[-1] is h; the layer never changes the list: FSDP and compiled graphs hand a
+        module copies of its inputs), the attention reads the mix over the bank and the partial sum restarts."""
         if bank is None:
             h = h + self._attend(self.attn_norm(h), batch, cache, options)
             return h + self._ffn(self.mlp_norm(h))
-        x = self.attn_res(bank, h)
         if self.block_start:
-            bank.append(h)
-        mixed = self._attend(self.attn_norm(x), batch, cache, options)
-        partial = mixed if self.block_start else h + mixed
+            partial = self._attend(self.attn_norm(self.attn_res(bank[:-1], h)), batch, cache, options)
+        else:
+            partial = h + self._attend(self.attn_norm(self.attn_res(bank, h)), batch, cache, options)
         return partial + self._ffn(self.mlp_norm(self.mlp_res(bank, partial)))
 
     def _ffn(self, x: torch.Tensor) -> torch.Tensor:
@@ -207,6 +208,8 @@ class HorizonForCausalLM(nn.Module):
             h = h.masked_scatter(image_mask[:, None], image_embeds.to(h.dtype))
         bank: list[torch.Tensor] | None = [] if self.output_res is not None else None
         for block in self.layers:
+            if bank is not None and block.block_start:  # a block begins: its input is banked
+                bank = [*bank, h]
             h = block(h, batch, cache, options, bank=bank)
         if cache is not None:
             cache.full_lens[batch.slots] += batch.lens
