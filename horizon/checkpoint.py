@@ -61,8 +61,6 @@ DEFAULT_SHARD_BYTES = 4 * 1024**3
 QUANT_METHODS = ("mxfp4",)
 DENSE_FORMATS = ("int8",)  # load-time formats of the dense projections (`load(dense=...)`); None: as stored
 MXFP4_ACTIVATIONS = ("int8",)  # what MXFP4 layers round their inputs to (`load(mxfp4_activations=...)`); None: fp32
-_SAFETENSORS_DTYPE_BYTES = {"F64": 8, "F32": 4, "F16": 2, "BF16": 2, "I64": 8, "I32": 4, "I16": 2, "I8": 1,
-                            "U8": 1, "BOOL": 1, "F8_E4M3": 1, "F8_E5M2": 1}
 
 
 # --- reading tensors -------------------------------------------------------------------------------

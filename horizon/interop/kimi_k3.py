@@ -48,9 +48,18 @@ from typing import Any
 import torch
 
 from horizon.config import DTYPES, ModelConfig
-from horizon.interop.common import RawConfig, Source, build_config, finish, mla_fields, mlp_pattern, moe_fields
+from horizon.interop.common import (
+    RawConfig,
+    Source,
+    build_config,
+    finish,
+    layer_index,
+    mla_fields,
+    mlp_pattern,
+    moe_fields,
+)
 from horizon.interop.kimi_linear import _layer_types
-from horizon.parallel.shard import Split
+from horizon.parallel.shard import Split, shard_tensor
 from horizon.quant.mxfp4 import BLOCK, BLOCK_BYTES
 
 log = logging.getLogger("horizon.interop")
@@ -350,7 +359,7 @@ def convert_tensors(store, config: ModelConfig, layout=None, splits=None) -> Ite
         split = splits.get(ours)
         if how == "a_log":
             tensor = _a_log(src, name, H)
-            tensor = tensor if split is None else _cut(tensor, split, layout)
+            tensor = tensor if split is None else shard_tensor(tensor, split, layout)
         elif how.startswith("conv"):  # conv_weight is Split(0, 3): each of K3's three parts is cut along its rows
             tensor = _read(src, name, shape, None if split is None else Split(0), layout)
         else:
@@ -378,12 +387,6 @@ def convert_tensors(store, config: ModelConfig, layout=None, splits=None) -> Ite
     finish(src, config)
 
 
-def _cut(tensor: torch.Tensor, split, layout) -> torch.Tensor:
-    from horizon.parallel.shard import shard_tensor
-
-    return shard_tensor(tensor, split, layout)
-
-
 def _read(src: Source, name: str, shape: tuple[int, ...], split, layout) -> torch.Tensor:
     """The tensor (shape checked against the full shape), or only this rank's slice of it."""
     if split is None:
@@ -396,8 +399,6 @@ def _read(src: Source, name: str, shape: tuple[int, ...], split, layout) -> torc
 
 
 def _skippable(name: str, cfg: ModelConfig) -> bool:
-    from horizon.interop.common import layer_index
-
     i = layer_index(name)
     return i is not None and i >= cfg.num_layers
 
