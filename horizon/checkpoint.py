@@ -134,6 +134,7 @@ class TensorStore:
         self._entry: dict[str, dict] = {}
         self._data_start: dict[str, int] = {}
         self._handles: dict[str, Any] = {}  # safetensors handles, opened for slice reads only
+        self._files: dict[str, Any] = {}  # unbuffered file objects, opened once per shard for whole reads
         for name in files:
             path = self.folder / name
             if not path.exists():
@@ -178,17 +179,19 @@ class TensorStore:
         entry, path = self._entry[name], self.path_of(name)
         dtype, shape = _SAFETENSORS_DTYPES[entry["dtype"]], self.shape(name)
         a, b = entry["data_offsets"]
-        if (b - a) != math.prod(shape) * torch.empty((), dtype=dtype).element_size():
+        if (b - a) != math.prod(shape) * dtype.itemsize:
             raise ValueError(f"{path}: tensor {name}: {b - a} bytes for shape {list(shape)} of {entry['dtype']}")
+        file = self.file_of[name]
+        if file not in self._files:
+            self._files[file] = open(path, "rb", buffering=0)  # kept open for the store's lifetime
         out = torch.empty(b - a, dtype=torch.uint8)
         view = memoryview(out.numpy())
-        with open(path, "rb", buffering=0) as fh:
-            done = 0
-            while done < len(view):  # one positioned read; the loop only for reads the kernel returns short
-                got = os.preadv(fh.fileno(), [view[done:]], self._data_start[self.file_of[name]] + a + done)
-                if got <= 0:
-                    raise ValueError(f"{path}: cannot read tensor {name} (truncated file?)")
-                done += got
+        done = 0
+        while done < len(view):  # one positioned read; the loop only for reads the kernel returns short
+            got = os.preadv(self._files[file].fileno(), [view[done:]], self._data_start[file] + a + done)
+            if got <= 0:
+                raise ValueError(f"{path}: cannot read tensor {name} (truncated file?)")
+            done += got
         return out.view(dtype).reshape(shape)
 
     def _slice(self, name: str):

@@ -9,6 +9,9 @@ Each family is a module with two functions, used by `horizon.load`:
         (name, tensor, source file, index) to fill part `index` of a tensor (one expert of a stack);
     quantization(raw: dict) -> str | None   (optional)
         "mxfp4" where the family's routed experts stay packed (the model is built with MXFP4 experts).
+    READS_RANK_PARTS = True   (optional)
+        convert_tensors also takes layout= and splits= and reads only a tensor / expert-parallel rank's
+        part itself; otherwise `load` reads each tensor whole and cuts it.
 """
 
 from __future__ import annotations
